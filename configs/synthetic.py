@@ -1,0 +1,213 @@
+r"""The embedded default: every stage on the synthetic change benchmark.
+
+Command (the README's first command):
+
+  python -m procap_jax.main --config configs/synthetic.py --workdir workdir/synthetic
+
+Presets (`--config configs/synthetic.py:<preset>`):
+  tiny     tests only: a few dozen scenes, 32 px, a few steps per stage (seconds).
+  quick    end to end in about 3 minutes on a 2-core CPU.
+  default  (no preset) the `small` synthetic benchmark, 64 px; about 30 minutes on a 2-core CPU.
+
+Hardware: written for a 2-core CPU; runs unchanged on accelerators (mesh from `config.mesh`).
+Expected results: see README.md (figures measured with this file).
+
+Ablation variants (comma-separated after the preset, e.g. `:default,static`):
+  static       no stage 1, no procedure queries (before/after only)
+  no_queries   stage 1, then captioning without queries
+  no_stage1    queries without stage 1 (k = 1)
+  k1, k2, k4   full model with k imagined frames
+  oracle       keyframes from the renderer's true procedure instead of flow frames
+"""
+
+import ml_collections
+
+STAGES = ('tokenizer', 'pretrain', 'caption')
+
+
+def _data(preset: str) -> ml_collections.ConfigDict:
+  d = ml_collections.ConfigDict()
+  d.name = 'synthetic_change'          # TFDS builder name
+  d.builder_config = {'tiny': 'tiny', 'quick': 'tiny', 'default': 'small'}[preset]
+  d.data_dir = ''                      # '' -> <workdir>/../data? no: <workdir>/data
+  d.manual_dir = ''                    # real datasets only
+  d.image_size = {'tiny': 32, 'quick': 32, 'default': 64}[preset]
+  d.frame_source = 'frames'            # 'frames' (stored interpolation) | 'oracle' | 'crossfade'
+  d.num_keyframes = 2                  # k: imagined frames between before and after
+  d.sampler = 'confidence'             # 'confidence' | 'uniform' | 'topk'
+  d.scores_feature = 'stats'           # feature function for the confidence scores file
+  d.scores_file = ''                   # '' -> computed next to the dataset; or an official file
+  d.max_caption_len = 24
+  d.min_word_count = 3                 # words kept when count > this (reproduces Spot/IER files)
+  d.word2idx_file = ''                 # '' -> build from train captions
+  d.num_workers = 0                    # grain worker processes (0 = in-process)
+  return d
+
+
+def _tokenizer(preset: str) -> ml_collections.ConfigDict:
+  t = ml_collections.ConfigDict()
+  small = preset in ('tiny', 'quick')
+  t.model = ml_collections.ConfigDict(dict(
+      ch=16 if small else 32,
+      ch_mult=(1, 2, 4) if small else (1, 2, 2, 4),
+      num_res_blocks=1,
+      attn_resolutions=(),
+      resolution=32 if small else 64,
+      z_channels=32 if small else 64,
+      embed_dim=32 if small else 64,
+      n_embed=64 if small else 256,
+      dropout=0.0,
+      beta=0.25,
+      feature_input_scale='unit',      # 'unit': features see [0,1] images (original quirk)
+      token_input_scale='signed',      # 'signed': codes see [-1,1] images (original)
+  ))
+  t.train = ml_collections.ConfigDict(dict(
+      steps={'tiny': 20, 'quick': 150, 'default': 1500}[preset],
+      batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
+      lr=2e-3 if small else 1e-3,
+      warmup_steps=10 if preset == 'tiny' else 100,
+      l1_weight=1.0,
+      l2_weight=1.0,
+      codebook_weight=1.0,
+      dead_code_restart=True,
+      restart_every=50,
+      gan_weight=0.0,
+      log_every=10 if preset == 'tiny' else 50,
+      eval_every={'tiny': 20, 'quick': 150, 'default': 500}[preset],
+      checkpoint_every={'tiny': 10, 'quick': 150, 'default': 500}[preset],
+      eval_batches=2 if preset == 'tiny' else 8,
+  ))
+  return t
+
+
+def _pretrain(preset: str) -> ml_collections.ConfigDict:
+  p = ml_collections.ConfigDict()
+  small = preset in ('tiny', 'quick')
+  p.model = ml_collections.ConfigDict(dict(
+      width=64 if small else 128,
+      depth=2 if small else 4,
+      heads=4,
+      mlp_ratio=4,
+      text_len=24,
+      text_vocab_size=0,               # 0 -> taken from the caption vocabulary at build time
+      num_frames=4,                    # must equal data.num_keyframes + 2
+      grid=(8, 8) if small else (8, 8),  # tokens per frame side = image_size / 2**(len(ch_mult)-1)
+      feature_dim=32 if small else 64,   # tokenizer z_channels
+      codebook_size=64 if small else 256,  # tokenizer n_embed
+  ))
+  p.masking = ml_collections.ConfigDict(dict(
+      strategy_probs=(0.7, 0.1, 0.1, 0.1, 0.0),  # random, all, in-box, out-box, stage-2 pattern
+      keep_prob_range=(0.2, 0.2),
+      box_scale=(0.2, 0.8),
+      box_ratio=(0.5, 2.0),
+  ))
+  p.corruption = ml_collections.ConfigDict(dict(
+      probs=(0.25, 0.25, 0.25, 0.25),  # replace frame, shuffle, colour shift, affine warp
+      max_rotation_deg=30.0,
+      max_translation=0.1,
+      scale_range=(0.9, 1.1),
+      color_shift=0.5,
+  ))
+  p.loss_weights = ml_collections.ConfigDict(dict(msm=7.0, align=0.5, csy=0.5))
+  p.train = ml_collections.ConfigDict(dict(
+      steps={'tiny': 20, 'quick': 150, 'default': 1500}[preset],
+      batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
+      lr=5e-4 if small else 3e-4,      # original 1e-4 at batch 8 for 200k steps
+      warmup_min=1e-6,
+      warmup_steps=10 if preset == 'tiny' else 100,
+      warmup='log',                    # 'log' (original DeepSpeed WarmupLR) | 'linear'
+      clip=1.0,
+      log_every=10 if preset == 'tiny' else 50,
+      eval_every={'tiny': 20, 'quick': 150, 'default': 500}[preset],
+      checkpoint_every={'tiny': 10, 'quick': 150, 'default': 500}[preset],
+      eval_batches=2 if preset == 'tiny' else 8,
+  ))
+  return p
+
+
+def _caption(preset: str) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  small = preset in ('tiny', 'quick')
+  c.model = ml_collections.ConfigDict(dict(
+      hidden=64 if small else 128,
+      heads=4 if small else 8,
+      ffn=256 if small else 512,
+      layers=2,
+      dropout=0.1,
+      max_len=24,
+      attention_scale='d_model',       # original quirk; 'head_dim' = standard 1/sqrt(d_head)
+      qkv_bias=False,                  # original: q/k/v/o projections without bias
+      layernorm='unbiased_std',        # original: gamma*(x-mean)/(std_unbiased+eps)+beta; 'standard'
+      text_slot='code',                # stage-2 text slots: 'code' rows 0..L-1 | 'padding' | 'none'
+      stage2_mask='code',              # 'code': original off-by-one [ST1]/[VID] rows | 'aligned'
+      use_queries=True,                # False: static baseline memory (before/after only)
+  ))
+  c.init_from_pretrain = True          # restore the encoder from the stage-1 checkpoint
+  c.train = ml_collections.ConfigDict(dict(
+      steps={'tiny': 20, 'quick': 200, 'default': 2500}[preset],
+      batch_size={'tiny': 8, 'quick': 16, 'default': 32}[preset],
+      lr=5e-4 if small else 3e-4,      # original 5e-5 (decoder+MLP) at batch 32 x 40 epochs
+      lr_encoder=2e-4 if small else 1e-4,  # original 2e-5
+      warmup_frac=0.1,
+      weight_decay=0.01,
+      clip=1.0,
+      label_smoothing=0.1,
+      log_every=10 if preset == 'tiny' else 50,
+      eval_every={'tiny': 20, 'quick': 200, 'default': 500}[preset],
+      checkpoint_every={'tiny': 10, 'quick': 200, 'default': 500}[preset],
+      eval_batches=2 if preset == 'tiny' else 0,  # 0 = the whole split
+  ))
+  c.decoding = ml_collections.ConfigDict(dict(method='greedy', beam_size=3))
+  return c
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  parts = [p for p in (arg or 'default').split(',') if p]
+  preset = parts[0] if parts and parts[0] in ('tiny', 'quick', 'default') else 'default'
+  variants = [p for p in parts if p not in ('tiny', 'quick', 'default')]
+
+  config = ml_collections.ConfigDict()
+  config.preset = preset
+  config.seed = 0
+  config.stages = STAGES
+  config.data = _data(preset)
+  config.tokenizer = _tokenizer(preset)
+  config.pretrain = _pretrain(preset)
+  config.caption = _caption(preset)
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+  config.sharding = ml_collections.ConfigDict(dict(rules=(
+      ('batch', 'data'), ('embed', None), ('mlp', 'model'), ('heads', 'model'),
+      ('vocab', 'model'), ('codebook', None), ('conv_in', None), ('conv_out', 'model'),
+      ('norm', None), ('pos', None), ('text_vocab', None), ('length', None),
+  )))
+  config.compute_dtype = 'float32'     # 'bfloat16': bf16 matmuls, f32 params and accumulation
+  config.report = ml_collections.ConfigDict(dict(gallery_per_type=3))
+  config.variant = ','.join(variants)
+  for v in variants:
+    _apply_variant(config, v)
+  return config
+
+
+def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
+  if variant == 'static':
+    config.stages = ('tokenizer', 'caption')
+    config.caption.init_from_pretrain = False
+    config.caption.model.use_queries = False
+  elif variant == 'no_queries':
+    config.caption.model.use_queries = False
+  elif variant == 'no_stage1':
+    config.stages = ('tokenizer', 'caption')
+    config.caption.init_from_pretrain = False
+    _set_k(config, 1)
+  elif variant in ('k1', 'k2', 'k4'):
+    _set_k(config, int(variant[1]))
+  elif variant == 'oracle':
+    config.data.frame_source = 'oracle'
+  else:
+    raise ValueError(f'unknown config variant {variant!r}; choose from static, no_queries, '
+                     'no_stage1, k1, k2, k4, oracle')
+
+
+def _set_k(config: ml_collections.ConfigDict, k: int) -> None:
+  config.data.num_keyframes = k
+  config.pretrain.model.num_frames = k + 2
