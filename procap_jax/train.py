@@ -5,10 +5,22 @@ sharded train state, the jitted step, checkpoints, metrics and progress.
 """
 
 import dataclasses
+import json
+import math
+import os
+import time
 from typing import Any, Callable
 
 import flax.struct
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from procap_jax import checkpointing
+from procap_jax import errors
+from procap_jax import sharding
+from procap_jax.data import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,3 +58,261 @@ class TrainState:
   params: Any
   opt_state: Any
   model_state: Any
+
+
+# ----------------------------------------------------------------------------------------------
+# Selection metric per stage (validation split): name, 'max' | 'min'.
+# ----------------------------------------------------------------------------------------------
+SELECTION = {'tokenizer': ('psnr', 'max'), 'pretrain': ('loss', 'min'), 'caption': ('CIDEr', 'max')}
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded state creation.
+# ----------------------------------------------------------------------------------------------
+def _path_str(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
+
+
+def _opt_shardings(abstract_opt, param_shardings, abstract_params, mesh):
+  """Optimizer-state leaves take the sharding of the parameter they mirror (same path suffix and
+  shape); everything else (counters, scalars) is replicated."""
+  by_path = {}
+  for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                              jax.tree.leaves(param_shardings)):
+    by_path[_path_str(path)] = (leaf.shape, sh)
+
+  def one(path, leaf):
+    p = _path_str(path)
+    for ppath, (shape, sh) in by_path.items():
+      if p.endswith(ppath) and tuple(leaf.shape) == tuple(shape):
+        return sh
+    return sharding.replicated(mesh)
+
+  return jax.tree_util.tree_map_with_path(one, abstract_opt)
+
+
+def create_state(task: 'Task', model, config, tx, rng, example_batch, mesh):
+  """(state, state_shardings): the TrainState created directly with its shardings."""
+  rules = config.sharding.rules
+
+  def init_params(rng):
+    return task.init_params(model, config, rng, example_batch)
+
+  boxed = jax.eval_shape(init_params, rng)
+  param_sh = sharding.logical_shardings(boxed, mesh, rules)
+  abstract_params = sharding.unbox(boxed)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  opt_sh = _opt_shardings(abstract_opt, param_sh, abstract_params, mesh)
+  abstract_ms = jax.eval_shape(lambda r: task.init_model_state(model, config, r, example_batch), rng)
+  ms_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_ms)
+  state_sh = TrainState(step=sharding.replicated(mesh), params=param_sh, opt_state=opt_sh,
+                        model_state=ms_sh)
+
+  def init(rng):
+    r1, r2 = jax.random.split(rng)
+    params = sharding.unbox(task.init_params(model, config, r1, example_batch))
+    return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params),
+                      model_state=task.init_model_state(model, config, r2, example_batch))
+
+  state = jax.jit(init, out_shardings=state_sh)(rng)
+  return state, state_sh
+
+
+def make_train_step(task: 'Task', model, config, tx, state_sh, batch_sh, const_sh, mesh):
+  """The jitted, donated train step `(state, batch, constants, rng) -> (state, metrics)`."""
+
+  def step(state, batch, constants, rng):
+    rng = jax.random.fold_in(rng, state.step)
+
+    def loss_fn(params):
+      return task.loss_fn(params, state.model_state, constants, batch, rng, config, model)
+
+    (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    metrics = dict(metrics)
+    metrics['loss'] = loss
+    metrics['grad_norm'] = grad_norm
+    metrics['finite'] = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              model_state=model_state)
+    return new_state, metrics
+
+  return jax.jit(step, in_shardings=(state_sh, batch_sh, const_sh, sharding.replicated(mesh)),
+                 out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging.
+# ----------------------------------------------------------------------------------------------
+class MetricsLog:
+  """Appends JSON lines to `metrics.jsonl`; on resume drops lines past the restored step."""
+
+  def __init__(self, path: str, resume_step: int | None):
+    self.path = path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lines = []
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        for line in f:
+          try:
+            rec = json.loads(line)
+          except json.JSONDecodeError:
+            continue  # a line cut by a kill
+          if resume_step is not None and rec.get('step', 0) <= resume_step:
+            lines.append(line if line.endswith('\n') else line + '\n')
+    errors.write_text_atomic(path, ''.join(lines))
+    self._f = open(path, 'a', encoding='utf-8')
+
+  def write(self, record: dict) -> None:
+    self._f.write(json.dumps(record) + '\n')
+    self._f.flush()
+
+  def close(self):
+    self._f.close()
+
+
+def _floats(metrics: dict) -> dict:
+  return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def _better(new: float, old: float | None, mode: str) -> bool:
+  if old is None or not math.isfinite(old):
+    return math.isfinite(new)
+  return new > old if mode == 'max' else new < old
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop.
+# ----------------------------------------------------------------------------------------------
+def stage_done_path(workdir: str, stage: str) -> str:
+  return os.path.join(workdir, stage, 'DONE')
+
+
+def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None = None) -> dict:
+  """Trains one stage to `config.<stage>.train.steps`, resuming from the latest checkpoint.
+
+  Args:
+    task: the stage's Task.
+    config: the resolved config.
+    workdir: the run's workdir; the stage lives in `<workdir>/<task.name>/`.
+    mesh: the device mesh (default: from `config.mesh`).
+    max_steps: stop after this many steps in this call (tests of kill/resume); the stage is then
+      not marked done.
+
+  Returns:
+    The stage summary (last validation metrics and the best checkpoint's step).
+  """
+  stage_dir = os.path.join(workdir, task.name)
+  os.makedirs(stage_dir, exist_ok=True)
+  mesh = mesh if mesh is not None else sharding.mesh_from_config(config)
+  section = config[task.name]
+  tcfg = section.train
+  total = int(tcfg.steps)
+  batch_size = int(tcfg.batch_size)
+  if batch_size % mesh.shape['data']:
+    raise errors.UserError(f'{task.name} batch size {batch_size} is not divisible by the mesh data '
+                           f'axis ({mesh.shape["data"]}); change config.{task.name}.train.batch_size')
+  seed = int(config.seed)
+  select_name, select_mode = SELECTION[task.name]
+
+  model = task.build_model(config)
+  train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed)
+  example = jax.tree.map(np.asarray, train_ds[0])
+  tx = task.make_optimizer(config, total)
+  rng = jax.random.key(seed)
+  state, state_sh = create_state(task, model, config, tx, jax.random.fold_in(rng, 1), example,
+                                 mesh)
+  batch_sh = {k: sharding.batch_sharding(mesh, np.asarray(v).ndim) for k, v in example.items()}
+  constants = task.load_constants(config, workdir)
+  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
+  constants = jax.device_put(constants, const_sh)
+  step_fn = make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)
+
+  ckpts = checkpointing.StageCheckpoints(stage_dir)
+  train_iter = pipeline.TrainIterator(train_ds)
+  best_value = None
+  start = 0
+  if ckpts.latest_step() is not None:
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, state_sh)
+    state, data_state, meta = ckpts.restore_latest(abstract)
+    train_iter.set_state(data_state)
+    start = int(jax.device_get(state.step))
+    best_value = meta.get('best_value')
+    checkpointing.check_config_compatible(meta.get('config'), config, task.name)
+    print(f'[{task.name}] resumed from step {start} ({stage_dir})', flush=True)
+  log = MetricsLog(os.path.join(stage_dir, 'metrics.jsonl'), start)
+  meta_base = {'config': config.to_dict(), 'stage': task.name}
+
+  def save(step_now: int, best: bool, metrics_now: dict | None = None):
+    nonlocal best_value
+    meta = dict(meta_base, step=step_now, best_value=best_value, metrics=metrics_now or {})
+    ckpts.save(step_now, state, train_iter.get_state(), meta, best=best)
+
+  def evaluate(step_now: int) -> dict:
+    nonlocal best_value
+    t0 = time.time()
+    metrics = task.evaluate(state, constants, config, model, 'val', workdir)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    is_best = select_name in metrics and _better(metrics[select_name], best_value, select_mode)
+    if is_best:
+      best_value = metrics[select_name]
+    log.write({'step': step_now, 'split': 'val', **metrics, 'eval_seconds': time.time() - t0})
+    shown = ', '.join(f'{k} {v:.4g}' for k, v in list(metrics.items())[:8])
+    print(f'[{task.name}] step {step_now} val: {shown}{" (best)" if is_best else ""}', flush=True)
+    save(step_now, is_best, metrics)
+    return metrics
+
+  last_good = ckpts.latest_step()
+  end = total if max_steps is None else min(total, start + max_steps)
+  t_start, s_start = time.time(), start
+  finite = jnp.ones([], bool)
+  pending = []
+  val_metrics = {}
+  step = start
+  for step in range(start + 1, end + 1):
+    batch = sharding.shard_batch(next(train_iter), mesh)
+    state, metrics = step_fn(state, batch, constants, rng)
+    finite = finite & metrics['finite']
+    pending.append(metrics)
+    is_log = step % tcfg.log_every == 0 or step == end
+    is_eval = step % tcfg.eval_every == 0 or step == total
+    is_ckpt = step % tcfg.checkpoint_every == 0 or step == end
+    if is_log or is_eval or is_ckpt:
+      if not bool(jax.device_get(finite)):
+        bad = next(i for i, m in enumerate(pending) if not bool(jax.device_get(m['finite'])))
+        bad_step = step - len(pending) + 1 + bad
+        raise errors.UserError(
+            f'{task.name}: the loss or gradient became non-finite at step {bad_step}; the last '
+            f'good checkpoint is step {last_good} in {os.path.join(stage_dir, "checkpoints")} '
+            '(lower the learning rate or check the data, then rerun to resume from it)')
+      if is_log:
+        means = {k: float(np.mean([float(m[k]) for m in pending])) for k in pending[-1]
+                 if k != 'finite'}
+        rate = (step - s_start) / max(1e-9, time.time() - t_start)
+        eta = (total - step) / max(rate, 1e-9)
+        log.write({'step': step, 'split': 'train', **means, 'steps_per_s': rate})
+        print(f'[{task.name}] step {step}/{total} loss {means["loss"]:.4f} '
+              f'{rate:.2f} steps/s ETA {eta/60:.1f} min', flush=True)
+        pending = []
+      if is_eval:
+        val_metrics = evaluate(step)
+        last_good = step
+      elif is_ckpt:
+        save(step, False)
+        last_good = step
+  if step == total:
+    if not val_metrics:
+      meta = checkpointing.latest_meta(ckpts)
+      val_metrics = meta.get('metrics', {}) if meta else {}
+    summary = {'stage': task.name, 'steps': total, 'val': val_metrics,
+               'best': {select_name: best_value, 'step': ckpts.best.latest_step()}}
+    errors.write_text_atomic(stage_done_path(workdir, task.name), json.dumps(summary, indent=1))
+  else:
+    summary = {'stage': task.name, 'steps': step, 'val': val_metrics}
+  log.close()
+  ckpts.close()
+  return summary

@@ -1,0 +1,186 @@
+"""Checkpoints: the only module that imports orbax.
+
+Layout of a stage directory `W/<stage>/`:
+  checkpoints/<step>/   the latest checkpoints (train state + data-iterator state + meta)
+  best/<step>/          the best checkpoint by the stage's selection metric (validation split)
+
+Each checkpoint holds three items: `state` (the TrainState pytree), `data` (the data iterator's
+state, JSON) and `meta` (the resolved config as JSON, the step, and the metrics that chose it).
+Orbax writes into a temporary directory and renames it when complete, so a run killed during a
+write leaves only the previous complete checkpoints; the temporary leftovers are removed on the
+next start (`cleanup_tmp_directories`).
+
+Restore order (documented once, here): latest checkpoint of the stage in the workdir, else the
+initialisation the stage's task defines (e.g. stage 2 from the best stage-1 checkpoint), else
+from scratch.
+"""
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from procap_jax import errors
+
+
+def _manager(directory: str, max_to_keep: int, read_only: bool = False) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, create=not read_only, cleanup_tmp_directories=not read_only,
+      enable_async_checkpointing=False, read_only=read_only)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                               item_names=('state', 'data', 'meta'))
+
+
+class StageCheckpoints:
+  """Latest and best checkpoints of one stage."""
+
+  def __init__(self, stage_dir: str, max_to_keep: int = 2):
+    self.stage_dir = stage_dir
+    self.latest = _manager(os.path.join(stage_dir, 'checkpoints'), max_to_keep)
+    self.best = _manager(os.path.join(stage_dir, 'best'), 1)
+
+  def latest_step(self) -> int | None:
+    return self.latest.latest_step()
+
+  def save(self, step: int, state: Any, data_state: dict, meta: dict, *, best: bool = False):
+    """Saves `state` at `step` (synchronously). `best=True` also stores it as the best one."""
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                              data=ocp.args.JsonSave(data_state),
+                              meta=ocp.args.JsonSave(_jsonable(meta)))
+    if self.latest.latest_step() != step:
+      self.latest.save(step, args=args, force=True)
+    if best:
+      if self.best.latest_step() == step:
+        return
+      self.best.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+          meta=ocp.args.JsonSave(_jsonable(meta))), force=True)
+
+  def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict]:
+    """Restores (state, data_state, meta) of the latest checkpoint into `abstract_state`'s
+    shapes and shardings (a pytree of jax.ShapeDtypeStruct with `sharding`)."""
+    step = self.latest.latest_step()
+    restored = self.latest.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+        meta=ocp.args.JsonRestore()))
+    return restored['state'], restored['data'], restored['meta']
+
+  def close(self):
+    self.latest.close()
+    self.best.close()
+
+
+def _jsonable(x: Any) -> Any:
+  return json.loads(json.dumps(x, default=lambda o: o.tolist() if hasattr(o, 'tolist') else str(o)))
+
+
+def read_meta(workdir: str, stage: str, which: str = 'best') -> dict | None:
+  """The `meta` item of the stage's best (or latest) checkpoint, or None if there is none."""
+  directory = _pick_dir(workdir, stage, which)
+  if directory is None:
+    return None
+  mngr = _manager(directory, 1, read_only=True)
+  step = mngr.latest_step()
+  meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  mngr.close()
+  return meta
+
+
+def _pick_dir(workdir: str, stage: str, which: str) -> str | None:
+  stage_dir = os.path.join(workdir, stage)
+  order = {'best': ('best', 'checkpoints'), 'latest': ('checkpoints',)}[which]
+  for sub in order:
+    d = os.path.join(stage_dir, sub)
+    if os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d)):
+      return d
+  return None
+
+
+def load_stage_variables(workdir: str, stage: str, which: str = 'best') -> dict:
+  """Host (numpy) copies of a finished stage's `params` and `model_state`.
+
+  Args:
+    workdir: the run's workdir `W` (stages live in `W/<stage>/`).
+    stage: 'tokenizer' | 'pretrain' | 'caption'.
+    which: 'best' (falls back to the latest when no best exists) or 'latest'.
+
+  Raises:
+    UserError: when the stage has no checkpoint in `workdir`.
+  """
+  directory = _pick_dir(workdir, stage, which)
+  if directory is None:
+    raise errors.UserError(
+        f'no {stage} checkpoint in {os.path.join(workdir, stage)}; run the {stage} stage first '
+        f'(python -m procap_jax.main --config ... --workdir {workdir} '
+        f'--config.stages=\'("{stage}",)\') or point --workdir at a run that has it')
+  mngr = _manager(directory, 1, read_only=True)
+  step = mngr.latest_step()
+  restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  mngr.close()
+  state = restored['state']
+  state = jax.tree.map(np.asarray, state)
+  return {'params': state['params'], 'model_state': state.get('model_state', {}), 'step': step}
+
+
+def latest_meta(ckpts: StageCheckpoints) -> dict | None:
+  step = ckpts.latest.latest_step()
+  if step is None:
+    return None
+  return ckpts.latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
+
+# Config entries that change the shapes or meaning of a stage's parameters.
+_SHAPE_KEYS = {
+    'tokenizer': ('tokenizer.model', 'data.image_size'),
+    'pretrain': ('pretrain.model', 'tokenizer.model', 'data.image_size', 'data.num_keyframes'),
+    'caption': ('caption.model', 'pretrain.model', 'tokenizer.model', 'data.image_size',
+                'data.num_keyframes', 'data.name'),
+}
+
+
+def _lookup(d: dict, dotted: str):
+  for part in dotted.split('.'):
+    if not isinstance(d, dict) or part not in d:
+      return None
+    d = d[part]
+  return d
+
+
+def _flat(prefix: str, x) -> dict:
+  if isinstance(x, dict):
+    out = {}
+    for k, v in x.items():
+      out.update(_flat(f'{prefix}.{k}', v))
+    return out
+  return {prefix: json.loads(json.dumps(x, default=str))}
+
+
+def config_differences(saved: dict, config, stage: str) -> list[str]:
+  """Human-readable differences between a checkpoint's config and `config` for `stage`."""
+  current = json.loads(json.dumps(config.to_dict(), default=str))
+  diffs = []
+  for key in _SHAPE_KEYS[stage]:
+    a, b = _flat(key, _lookup(saved, key)), _flat(key, _lookup(current, key))
+    for k in sorted(set(a) | set(b)):
+      if _norm(a.get(k)) != _norm(b.get(k)):
+        diffs.append(f'{k}: checkpoint {a.get(k)!r} vs config {b.get(k)!r}')
+  return diffs
+
+
+def _norm(x):
+  return json.loads(json.dumps(x)) if not isinstance(x, tuple) else list(x)
+
+
+def check_config_compatible(saved: dict | None, config, stage: str) -> None:
+  """Raises UserError naming what differs when a checkpoint was trained with another model."""
+  if not saved:
+    return
+  diffs = config_differences(saved, config, stage)
+  if diffs:
+    raise errors.UserError(
+        f'the {stage} checkpoint in this workdir was trained with a different config ('
+        + '; '.join(diffs[:6]) + (' ...' if len(diffs) > 6 else '')
+        + '); use another --workdir or the same config')

@@ -1,0 +1,282 @@
+"""Input pipeline: grain over `tfds.data_source`, the same batch contract for every dataset.
+
+Batch contract (host numpy; B batch, S = config.data.image_size, T = config.data.num_keyframes + 2,
+L = config.data.max_caption_len):
+
+  before          uint8  [B, S, S, 3]     the before image
+  after           uint8  [B, S, S, 3]     the after image
+  keyframes       uint8  [B, T, S, S, 3]  sampled keyframes; [:, 0] = before, [:, -1] = after
+  keyframe_index  int32  [B, T]           indices into the 9-frame sequence, e.g. [0, a, b, 8]
+  caption_in      int32  [B, L]           decoder tokens [BOS] w1..wn [EOS] [PAD]...
+  encoder_text    int32  [B, L]           stage-1 encoder text: word ids, 0 = padding
+  change_type     int32  [B]              none,color,material,add,drop,move,other
+  example_index   int32  [B]              index of the record in its split
+  valid           bool   [B]              False on padding rows of the last eval batch
+
+Randomness (caption choice, keyframe draw) is seeded per (seed, example index, epoch) inside a
+grain `random_map`, and the training iterator is a grain dataset whose state (`get_state`) is
+saved with every checkpoint, so a resumed run sees exactly the batches it would have seen.
+The training process never imports TensorFlow.
+"""
+
+import functools
+import json
+import os
+from typing import Any, Iterator
+
+import cv2
+import grain
+import numpy as np
+
+from procap_jax import errors
+from procap_jax.data import datasets
+from procap_jax.data import vocab as vocab_lib
+from procap_jax.procedure import interpolation
+from procap_jax.procedure import sampling
+from procap_jax.procedure import scores as scores_lib
+
+CHANGE_TYPES = ('none', 'color', 'material', 'add', 'drop', 'move', 'other')
+NUM_SOURCE_FRAMES = 9
+
+
+def data_dir(config, workdir: str) -> str:
+  """`config.data.data_dir`, or `<workdir>/data` when empty."""
+  return config.data.data_dir or os.path.join(workdir, 'data')
+
+
+def dataset_dir(config, workdir: str) -> str:
+  """The prepared dataset's version directory (vocabulary and scores files live there)."""
+  return datasets.dataset_dir(config.data.name, config.data.builder_config, data_dir(config, workdir))
+
+
+@functools.lru_cache(maxsize=16)
+def _source(name: str, builder_config: str, directory: str, split: str):
+  return datasets.data_source(name, builder_config, directory, split)
+
+
+def open_source(config, workdir: str, split: str):
+  """Random-access records of a prepared split (UserError when the dataset is not built)."""
+  return _source(config.data.name, config.data.builder_config, data_dir(config, workdir), split)
+
+
+def load_vocab(config, workdir: str) -> vocab_lib.Vocab:
+  """The decoder vocabulary: `config.data.word2idx_file`, else `word2idx.json` next to the
+  dataset, else built from the train captions and saved there."""
+  if config.data.word2idx_file:
+    return _load_vocab_file(config.data.word2idx_file)
+  path = os.path.join(dataset_dir(config, workdir), 'word2idx.json')
+  if not os.path.exists(path):
+    src = open_source(config, workdir, 'train')
+    captions = [_text(c) for i in range(len(src)) for c in src[i]['captions']]
+    vocab_lib.Vocab.build(captions, min_word_count=config.data.min_word_count).save(path)
+  return _load_vocab_file(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_vocab_file(path: str) -> vocab_lib.Vocab:
+  return vocab_lib.Vocab.load(path)
+
+
+def scores_path(config, workdir: str) -> str:
+  if config.data.scores_file:
+    return config.data.scores_file
+  return os.path.join(dataset_dir(config, workdir),
+                      f'scores_{config.data.frame_source}_{config.data.scores_feature}.json')
+
+
+@functools.lru_cache(maxsize=8)
+def _load_scores(path: str):
+  return scores_lib.load_scores(path)
+
+
+def load_scores(config, workdir: str) -> dict | None:
+  """Confidence scores by pair id, or None when the sampler does not use them."""
+  if config.data.sampler != 'confidence':
+    return None
+  path = scores_path(config, workdir)
+  if not os.path.exists(path):
+    if config.data.scores_file:
+      raise errors.UserError(f'scores file {path} does not exist; fix config.data.scores_file')
+    return None
+  return _load_scores(path)
+
+
+def _text(x: Any) -> str:
+  if isinstance(x, bytes):
+    try:
+      return x.decode('utf-8')
+    except UnicodeDecodeError:
+      raise errors.UserError('a caption in the dataset is not valid UTF-8; rebuild the dataset '
+                             'from UTF-8 annotation files') from None
+  return str(x)
+
+
+def load_split_info(config, split: str, workdir: str) -> list[dict]:
+  """Host-side facts per record: pair_id, scene_id, change_type (int), captions (list[str])."""
+  src = open_source(config, workdir, split)
+  return [_record_info(src[i]) for i in range(len(src))]
+
+
+def _record_info(record: dict) -> dict:
+  return {'pair_id': _text(record['pair_id']), 'scene_id': int(record['scene_id']),
+          'change_type': int(record['change_type']),
+          'captions': [_text(c) for c in record['captions']]}
+
+
+def _resize(img: np.ndarray, size: int) -> np.ndarray:
+  img = np.asarray(img)
+  if img.ndim == 2:
+    img = np.stack([img] * 3, -1)
+  img = img[..., :3]
+  if img.shape[0] == size and img.shape[1] == size:
+    return img.astype(np.uint8)
+  interp = cv2.INTER_AREA if img.shape[0] > size else cv2.INTER_LINEAR
+  return cv2.resize(img, (size, size), interpolation=interp).astype(np.uint8)
+
+
+class _Transform:
+  """Record -> example of the batch contract (without the batch axis)."""
+
+  def __init__(self, config, vocab, scores, train: bool, seed: int):
+    self.size = config.data.image_size
+    self.k = config.data.num_keyframes
+    self.source = config.data.frame_source
+    self.sampler = config.data.sampler
+    self.max_len = config.data.max_caption_len
+    self.vocab = vocab
+    self.scores = scores
+    self.train = train
+    self.seed = seed
+
+  def frames(self, record: dict, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    if self.source == 'crossfade':
+      return interpolation.interpolate(before, after, NUM_SOURCE_FRAMES, method='crossfade')
+    key = {'frames': 'frames', 'oracle': 'oracle_frames'}[self.source]
+    frames = record[key]
+    if len(frames) == 0:
+      raise errors.UserError(f'this dataset has no {key!r}; set config.data.frame_source to '
+                             "'frames' or 'crossfade' (oracle frames exist for synthetic data only)")
+    return frames
+
+  def __call__(self, record: dict, index: int, rng: np.random.Generator) -> dict:
+    before = _resize(record['before'], self.size)
+    after = _resize(record['after'], self.size)
+    frames = self.frames(record, before, after)
+    pair_id = _text(record['pair_id'])
+    scores = self.scores.get(pair_id) if self.scores is not None else None
+    strategy = self.sampler if (scores is not None or self.sampler != 'confidence') else 'uniform'
+    d_start, d_end = scores if scores is not None else (None, None)
+    idx = sampling.sample_keyframes(d_start, d_end, self.k, rng, strategy=strategy,
+                                    num_frames=len(frames))
+    keyframes = np.stack([before] + [_resize(frames[i], self.size) for i in idx[1:-1]] + [after])
+    captions = [_text(c) for c in record['captions']]
+    captions = [c for c in captions if c.strip()] or ['']
+    caption = captions[int(rng.integers(len(captions)))] if self.train else captions[0]
+    if caption:
+      caption_in = self.vocab.encode_decoder(caption, self.max_len)
+      encoder_text = self.vocab.encode_encoder_text(caption, self.max_len)
+    else:  # a pair without any caption (user data at inference time): no text input
+      caption_in = np.zeros([self.max_len], np.int32)
+      encoder_text = np.zeros([self.max_len], np.int32)
+    return {
+        'before': before, 'after': after, 'keyframes': keyframes.astype(np.uint8),
+        'keyframe_index': np.asarray(idx, np.int32),
+        'caption_in': np.asarray(caption_in, np.int32),
+        'encoder_text': np.asarray(encoder_text, np.int32),
+        'change_type': np.int32(record['change_type']),
+        'example_index': np.int32(index), 'valid': np.bool_(True),
+    }
+
+
+def make_transform(config, workdir: str, train: bool) -> _Transform:
+  """The record -> example transform of the batch contract for this config's dataset."""
+  return _Transform(config, load_vocab(config, workdir), load_scores(config, workdir),
+                    train=train, seed=config.seed)
+
+
+def _indexed(src):
+  return grain.MapDataset.source(src).map_with_index(lambda i, r: (i, r))
+
+
+def make_train_dataset(config, workdir: str, batch_size: int, seed: int) -> grain.MapDataset:
+  """An endless, per-epoch reshuffled MapDataset of training batches for this process.
+
+  Every process reads its own share (`process_index::process_count`) of each global batch.
+  """
+  import jax  # local: keep the data module importable without initialising jax
+  src = open_source(config, workdir, 'train')
+  if len(src) < batch_size:
+    raise errors.UserError(f'the train split has {len(src)} examples, fewer than the batch size '
+                           f'{batch_size}; lower the batch size or build a larger dataset')
+  transform = make_transform(config, workdir, train=True)
+  n_proc, proc = jax.process_count(), jax.process_index()
+  if batch_size % n_proc:
+    raise errors.UserError(f'batch size {batch_size} is not divisible by the {n_proc} processes')
+  ds = _indexed(src).seed(seed).shuffle().repeat(None)
+  ds = ds.random_map(lambda ir, rng: transform(ir[1], ir[0], rng))
+  if n_proc > 1:
+    ds = ds[proc::n_proc]
+  return ds.batch(batch_size // n_proc, drop_remainder=True)
+
+
+class TrainIterator:
+  """Iterator over training batches with `get_state()` / `set_state()` for checkpoints."""
+
+  def __init__(self, dataset: grain.MapDataset, num_threads: int = 2):
+    self._ds = dataset.to_iter_dataset(
+        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4))
+    self._it = iter(self._ds)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    return next(self._it)
+
+  def get_state(self) -> dict:
+    return dict(self._it.get_state())
+
+  def set_state(self, state: dict) -> None:
+    self._it.set_state(dict(state))
+
+
+def make_train_iterator(config, workdir: str, batch_size: int, seed: int) -> TrainIterator:
+  return TrainIterator(make_train_dataset(config, workdir, batch_size, seed))
+
+
+def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
+                       num_batches: int = 0) -> Iterator[dict]:
+  """Batches of `split` in record order; deterministic keyframes, first caption.
+
+  The last batch is padded to `batch_size` with copies of its first row marked `valid=False`.
+  `num_batches=0` means the whole split.
+  """
+  src = open_source(config, workdir, split)
+  transform = make_transform(config, workdir, train=False)
+  n = len(src) if not num_batches else min(len(src), num_batches * batch_size)
+  for start in range(0, n, batch_size):
+    rows = []
+    for i in range(start, min(n, start + batch_size)):
+      rng = sampling.keyframe_rng(config.seed, i, 0)
+      rows.append(transform(src[i], i, rng))
+    while len(rows) < batch_size:
+      pad = dict(rows[0])
+      pad['valid'] = np.bool_(False)
+      rows.append(pad)
+    yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def examples_from_pairs(config, vocab, befores: list[np.ndarray], afters: list[np.ndarray]) -> dict:
+  """A batch of the contract from raw user pairs (inference: no captions, crossfade frames)."""
+  transform = _Transform(config, vocab, None, train=False, seed=0)
+  transform.source = 'crossfade'
+  rows = []
+  for i, (b, a) in enumerate(zip(befores, afters)):
+    record = {'before': b, 'after': a, 'pair_id': str(i), 'captions': [],
+              'change_type': CHANGE_TYPES.index('other')}
+    rows.append(transform(record, i, sampling.keyframe_rng(0, i, 0)))
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  errors.write_text_atomic(path, json.dumps(obj, indent=1))

@@ -1,0 +1,139 @@
+"""What `main` runs: data preparation, the stages in order, the final test evaluation.
+
+Every step is skipped when its output is complete (a built dataset, a scores file, a stage's
+DONE file, results.json), and an unfinished stage resumes from its latest checkpoint.
+"""
+
+import collections
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from procap_jax import checkpointing
+from procap_jax import errors
+from procap_jax import train
+from procap_jax.data import datasets
+from procap_jax.data import pipeline
+from procap_jax.tasks import caption as caption_task
+from procap_jax.tasks import pretrain as pretrain_task
+from procap_jax.tasks import tokenizer as tokenizer_task
+
+TASKS = {
+    'tokenizer': tokenizer_task.TASK,
+    'pretrain': pretrain_task.TASK,
+    'caption': caption_task.TASK,
+}
+
+
+def prepare_data(config, workdir: str) -> None:
+  """Builds the dataset when missing (synthetic always; real ones from config.data.manual_dir)
+  and computes the confidence scores file when the sampler needs it."""
+  name, bc = config.data.name, config.data.builder_config
+  ddir = pipeline.data_dir(config, workdir)
+  if not datasets.is_prepared(name, bc, ddir):
+    module = datasets.builder_module(name)
+    if name != 'synthetic_change' and not config.data.manual_dir:
+      raise errors.UserError(
+          f'dataset {name}/{bc} is not built in {ddir}; download it by hand (see '
+          f'tfds_builders/{name}/README.md) and set --config.data.manual_dir=<folder>')
+    t0 = time.time()
+    print(f'building {name}/{bc} in {ddir} ...', flush=True)
+    if name == 'synthetic_change':
+      module.build(bc, ddir)
+    else:
+      module.build(bc, ddir, manual_dir=config.data.manual_dir)
+    print(f'built {name}/{bc} in {time.time() - t0:.0f} s', flush=True)
+  if config.data.sampler == 'confidence' and not config.data.scores_file:
+    path = pipeline.scores_path(config, workdir)
+    if not os.path.exists(path) and config.data.scores_feature == 'stats':
+      _compute_scores(config, workdir, path)
+
+
+def _compute_scores(config, workdir: str, path: str) -> None:
+  from procap_jax.procedure import scores as scores_lib
+  t0 = time.time()
+  feature_fn = scores_lib.FEATURES['stats']
+  entries = {}
+  for split in ('train', 'val', 'test'):
+    src = pipeline.open_source(config, workdir, split)
+    entries.update(scores_lib.compute_dataset_scores(
+        src, feature_fn, source=config.data.frame_source, desc=f'scores {split}'))
+  scores_lib.write_scores(path, entries, style='flat')
+  print(f'wrote confidence scores for {len(entries)} pairs in {time.time() - t0:.0f} s', flush=True)
+
+
+def dataset_statistics(config, workdir: str) -> dict:
+  stats = {'dataset': f'{config.data.name}/{config.data.builder_config}',
+           'data_dir': pipeline.data_dir(config, workdir), 'splits': {}}
+  for split in ('train', 'val', 'test'):
+    info = pipeline.load_split_info(config, split, workdir)
+    types = collections.Counter(pipeline.CHANGE_TYPES[r['change_type']] for r in info)
+    stats['splits'][split] = {'pairs': len(info), 'scenes': len({r['scene_id'] for r in info}),
+                              'captions': sum(len(r['captions']) for r in info),
+                              'change_types': dict(sorted(types.items()))}
+  stats['vocab_size'] = pipeline.load_vocab(config, workdir).size
+  return stats
+
+
+def run_all(config, workdir: str) -> dict:
+  """Trains every stage of `config.stages` (skipping finished ones) and evaluates on test."""
+  t0 = time.time()
+  for stage in config.stages:
+    done = train.stage_done_path(workdir, stage)
+    if os.path.exists(done):
+      print(f'[{stage}] already finished ({done}); skipping', flush=True)
+      continue
+    print(f'[{stage}] training ...', flush=True)
+    train.run(TASKS[stage], config, workdir)
+  results_path = os.path.join(workdir, 'results.json')
+  if 'caption' not in config.stages:
+    return {}
+  results = evaluate_caption(config, workdir, 'test', 'best')
+  results['wall_clock_seconds_this_call'] = time.time() - t0
+  errors.write_text_atomic(results_path, json.dumps(results, indent=1))
+  from procap_jax import report
+  report.write_report(config, workdir, results)
+  print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
+  return results
+
+
+def restore_for_eval(config, workdir: str, stage: str, which: str):
+  """(task, model, state, constants) for host-side evaluation of a saved checkpoint."""
+  task = TASKS[stage]
+  model = task.build_model(config)
+  variables = checkpointing.load_stage_variables(workdir, stage, which)
+  meta = checkpointing.read_meta(workdir, stage, which)
+  if meta:
+    checkpointing.check_config_compatible(meta.get('config'), config, stage)
+  state = train.TrainState(step=np.int32(variables['step']), params=variables['params'],
+                           opt_state=None, model_state=variables['model_state'])
+  state = jax.tree.map(jax.numpy.asarray, state)
+  constants = task.load_constants(config, workdir)
+  return task, model, state, constants, variables['step']
+
+
+def evaluate_caption(config, workdir: str, split: str, which: str) -> dict:
+  """Scores a saved caption checkpoint on `split`; writes predictions in COCO format."""
+  task, model, state, constants, step = restore_for_eval(config, workdir, 'caption', which)
+  t0 = time.time()
+  metrics = task.evaluate(state, constants, config, model, split, workdir)
+  results = {
+      'dataset': f'{config.data.name}/{config.data.builder_config}',
+      'split': split, 'checkpoint': which, 'checkpoint_step': int(step),
+      'selected_on': 'val', 'metrics': {k: float(v) for k, v in metrics.items()},
+      'eval_seconds': time.time() - t0,
+      'stages': {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages},
+  }
+  print(json.dumps({'split': split, **{k: round(v, 4) for k, v in results['metrics'].items()
+                                       if '/' not in k}}), flush=True)
+  return results
+
+
+def _read_json(path: str):
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
