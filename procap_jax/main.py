@@ -60,6 +60,20 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
   return stages.run_all(config, workdir)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing with one clear sentence for bad flags or unknown config keys."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f'error: {e}', file=sys.stderr)
+    raise SystemExit(2) from None
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    bad = [a for a in argv if a.startswith('--config.')]
+    print(f'error: bad config override ({", ".join(bad) or "?"}): {e}; check the key names in '
+          'the config file', file=sys.stderr)
+    raise SystemExit(2) from None
+
+
 def main(argv):
   del argv
   _maybe_init_distributed()
@@ -67,4 +81,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  sys.exit(app.run(main))
+  sys.exit(app.run(main, flags_parser=parse_flags))

@@ -29,3 +29,21 @@ def _absl_flags_parsed():
   from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
+
+
+@pytest.fixture(scope='session')
+def tiny_data_dir(tmp_path_factory) -> str:
+  """The `tiny` synthetic benchmark, built once per test session."""
+  from tfds_builders import synthetic_change
+  d = str(tmp_path_factory.mktemp('data'))
+  synthetic_change.build('tiny', d)
+  return d
+
+
+@pytest.fixture()
+def tiny_config(tiny_data_dir):
+  """The tiny preset of the default config, reading the session's tiny dataset."""
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  config.data.data_dir = tiny_data_dir
+  return config

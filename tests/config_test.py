@@ -1,0 +1,66 @@
+"""Config loading and validation: unknown keys and inconsistent values get one sentence."""
+
+import subprocess
+import sys
+
+import pytest
+
+from configs import synthetic
+from procap_jax import config_lib
+from procap_jax import errors
+
+
+@pytest.mark.parametrize('arg', ['tiny', 'quick', 'default', 'default,static', 'quick,k4',
+                                 'tiny,oracle', 'default,no_stage1', 'default,no_queries'])
+def test_presets_validate(arg):
+  config_lib.validate(synthetic.get_config(arg))
+
+
+def test_unknown_variant_is_rejected():
+  with pytest.raises(ValueError, match='unknown config variant'):
+    synthetic.get_config('default,bogus')
+
+
+@pytest.mark.parametrize('key,value,match', [
+    ('data.frame_source', 'magic', 'frame_source'),
+    ('caption.model.text_slot', 'x', 'text_slot'),
+    ('data.image_size', 48, 'image_size'),
+])
+def test_bad_values(key, value, match):
+  config = synthetic.get_config('tiny')
+  section, _, name = key.rpartition('.')
+  node = config
+  for part in section.split('.'):
+    node = node[part]
+  node[name] = value
+  with pytest.raises(errors.UserError, match=match):
+    config_lib.validate(config)
+
+
+def test_inconsistent_grid():
+  config = synthetic.get_config('tiny')
+  config.pretrain.model.num_frames = 5
+  with pytest.raises(errors.UserError, match='num_frames'):
+    config_lib.validate(config)
+
+
+def test_workdir_from_another_config(tmp_path):
+  config_lib.check_workdir(synthetic.get_config('tiny'), str(tmp_path))
+  other = synthetic.get_config('tiny')
+  other.pretrain.model.width = 96
+  with pytest.raises(errors.UserError, match='another config'):
+    config_lib.check_workdir(other, str(tmp_path))
+  # Training-length changes are fine: the same model, resumed.
+  longer = synthetic.get_config('tiny')
+  longer.caption.train.steps = 99
+  config_lib.check_workdir(longer, str(tmp_path))
+
+
+def test_unknown_override_key_exits_nonzero(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'procap_jax.main', '--config', 'configs/synthetic.py:tiny',
+       '--workdir', str(tmp_path), '--config.data.no_such_key=3'],
+      capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert 'no_such_key' in (proc.stderr + proc.stdout)
+  assert 'Traceback' not in proc.stderr

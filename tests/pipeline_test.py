@@ -1,0 +1,99 @@
+"""The batch contract, determinism and iterator state of the grain pipeline."""
+
+import numpy as np
+import pytest
+
+from procap_jax import errors
+from procap_jax.data import pipeline
+
+
+def _check_contract(batch, config, b):
+  s = config.data.image_size
+  t = config.data.num_keyframes + 2
+  expected = {
+      'before': (np.uint8, (b, s, s, 3)), 'after': (np.uint8, (b, s, s, 3)),
+      'keyframes': (np.uint8, (b, t, s, s, 3)), 'keyframe_index': (np.int32, (b, t)),
+      'caption_in': (np.int32, (b, 24)), 'encoder_text': (np.int32, (b, 24)),
+      'change_type': (np.int32, (b,)), 'example_index': (np.int32, (b,)),
+      'valid': (np.bool_, (b,)),
+  }
+  assert set(batch) == set(expected)
+  for k, (dtype, shape) in expected.items():
+    assert batch[k].dtype == dtype, k
+    assert batch[k].shape == shape, k
+
+
+def test_train_batches_follow_the_contract(tiny_config, tmp_path):
+  ds = pipeline.make_train_dataset(tiny_config, str(tmp_path), 4, seed=0)
+  batch = ds[0]
+  _check_contract(batch, tiny_config, 4)
+  idx = batch['keyframe_index']
+  assert (idx[:, 0] == 0).all() and (idx[:, -1] == 8).all()
+  assert (np.diff(idx, axis=1) > 0).all()
+  # before/after are the first and last keyframes.
+  np.testing.assert_array_equal(batch['keyframes'][:, 0], batch['before'])
+  np.testing.assert_array_equal(batch['keyframes'][:, -1], batch['after'])
+  assert (batch['caption_in'][:, 0] == 4).all()  # [BOS]
+
+
+def test_train_batches_are_deterministic(tiny_config, tmp_path):
+  a = pipeline.make_train_dataset(tiny_config, str(tmp_path), 4, seed=3)
+  b = pipeline.make_train_dataset(tiny_config, str(tmp_path), 4, seed=3)
+  for i in (0, 5):
+    for k in a[i]:
+      np.testing.assert_array_equal(a[i][k], b[i][k])
+  c = pipeline.make_train_dataset(tiny_config, str(tmp_path), 4, seed=4)
+  assert not np.array_equal(a[0]['example_index'], c[0]['example_index'])
+
+
+def test_iterator_state_reproduces_the_next_batch(tiny_config, tmp_path):
+  it = pipeline.make_train_iterator(tiny_config, str(tmp_path), 4, seed=0)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  expected = next(it)
+  it2 = pipeline.make_train_iterator(tiny_config, str(tmp_path), 4, seed=0)
+  it2.set_state(state)
+  got = next(it2)
+  for k in expected:
+    np.testing.assert_array_equal(expected[k], got[k])
+
+
+def test_eval_iterator_pads_last_batch(tiny_config, tmp_path):
+  info = pipeline.load_split_info(tiny_config, 'val', str(tmp_path))
+  n = len(info)
+  batches = list(pipeline.make_eval_iterator(tiny_config, 'val', str(tmp_path), 5))
+  assert sum(int(b['valid'].sum()) for b in batches) == n
+  assert len(batches) == -(-n // 5)
+  _check_contract(batches[0], tiny_config, 5)
+  again = list(pipeline.make_eval_iterator(tiny_config, 'val', str(tmp_path), 5))
+  np.testing.assert_array_equal(batches[0]['keyframes'], again[0]['keyframes'])
+
+
+def test_split_info(tiny_config, tmp_path):
+  info = pipeline.load_split_info(tiny_config, 'test', str(tmp_path))
+  assert info and all(r['captions'] for r in info)
+  assert all(r['pair_id'].endswith(('c', 'nc')) for r in info)
+
+
+def test_vocab_is_saved_next_to_the_dataset(tiny_config, tmp_path):
+  vocab = pipeline.load_vocab(tiny_config, str(tmp_path))
+  assert vocab.size > 8
+  import os
+  assert os.path.exists(os.path.join(pipeline.dataset_dir(tiny_config, str(tmp_path)),
+                                     'word2idx.json'))
+
+
+def test_missing_dataset_is_a_user_error(tmp_path):
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  config.data.data_dir = str(tmp_path / 'nothing')
+  with pytest.raises(errors.UserError, match='not built'):
+    pipeline.open_source(config, str(tmp_path), 'train')
+
+
+def test_oracle_and_crossfade_sources(tiny_config, tmp_path):
+  for source in ('oracle', 'crossfade'):
+    tiny_config.data.frame_source = source
+    batch = pipeline.make_train_dataset(tiny_config, str(tmp_path), 2, seed=0)[0]
+    _check_contract(batch, tiny_config, 2)

@@ -1,0 +1,57 @@
+"""Mesh construction and the logical-axis rules."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from procap_jax import errors
+from procap_jax import sharding
+
+RULES = (('batch', 'data'), ('embed', None), ('mlp', 'model'), ('heads', 'model'))
+
+
+def test_eight_fake_devices():
+  assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize('shape', [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)])
+def test_make_mesh_shapes(shape):
+  n = shape[0] * shape[1]
+  mesh = sharding.make_mesh(*shape, devices=jax.devices()[:n])
+  assert dict(mesh.shape) == {'data': shape[0], 'model': shape[1]}
+
+
+def test_make_mesh_fills_data_axis():
+  mesh = sharding.make_mesh(-1, 2)
+  assert dict(mesh.shape) == {'data': 4, 'model': 2}
+
+
+def test_make_mesh_rejects_non_divisor():
+  with pytest.raises(errors.UserError, match='does not divide'):
+    sharding.make_mesh(-1, 3)
+
+
+class _Mlp(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(12, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('embed', 'mlp')))(x)
+    return nn.Dense(5, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('mlp', 'embed')))(x)
+
+
+def test_logical_shardings_follow_rules_and_replicate_indivisible():
+  mesh = sharding.make_mesh(2, 4)
+  boxed = jax.eval_shape(_Mlp().init, jax.random.key(0), jnp.ones([2, 7]))
+  sh = sharding.logical_shardings(boxed, mesh, RULES)
+  # mlp (12) divides model (4) -> sharded; biases carry no names -> replicated.
+  assert sh['params']['Dense_0']['kernel'].spec == P(None, 'model')
+  assert sh['params']['Dense_1']['kernel'].spec == P('model', None)
+  assert sh['params']['Dense_0']['bias'].spec == P()
+  mesh8 = sharding.make_mesh(1, 8)
+  sh8 = sharding.logical_shardings(boxed, mesh8, RULES)
+  # 12 is not divisible by 8 -> that dimension is replicated instead of failing.
+  assert sh8['params']['Dense_0']['kernel'].spec == P(None, None)
