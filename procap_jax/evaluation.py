@@ -1,0 +1,426 @@
+"""Caption metrics exactly as the original evaluates them (pycocoevalcap), breakdowns, files, CLI.
+
+The original (`src/utils.py` `score_generation`) runs pycocoevalcap's `COCOEvalCap` with
+`params['image_id'] = <predicted ids>`: PTBTokenizer on references and hypotheses, then
+corpus-level BLEU-1..4 (`closest` reference length), METEOR 1.5, ROUGE-L and pycocoevalcap's
+`Cider` (the CIDEr-D formulation; its document frequencies come from the references of the ids
+being scored, so every group is re-scored on its own ids, as the original re-runs `evaluate`).
+We call the same scorer classes on the same inputs, with three practical changes that do not
+change any score:
+
+* the PTB tokenizer jar is run by our own wrapper (same jar, flags and punctuation filter) that
+  tokenises references and hypotheses in one Java call, keeps Java's chatter off the console,
+  writes its temporary file to the system temp dir rather than into site-packages, and turns
+  exotic line breaks (\\r, U+2028, ...) into spaces so lines cannot shift between captions;
+* one METEOR Java process (about 10 s to start) serves all groups of a call;
+* SPICE is optional: it needs Stanford CoreNLP 3.6.0, which pycocoevalcap downloads on first
+  use. We never download: without the jar, SPICE is reported as `None` with a note (checked once
+  per process, at no cost). Per-group SPICE is the mean of per-id scores, as SPICE computes it.
+
+Empty captions are scored, not rejected, because the original scores them and real data has
+them: the Spot-the-Diff test references (the file CLIP4IDC and ProCap evaluate with) give 7 ids a
+single empty caption, and a weak model may decode `[EOS]` first (an empty prediction). Each call
+notes how many there were. Wrong types (a caption that is not a string, references that are not
+a list), predicted ids without references and an empty prediction set are user errors.
+
+CLI: `python -m procap_jax.evaluation --results R.json --references G.json [--out M.json]
+[--no-meteor] [--no-spice] [--types T.json] [--clevr]`.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+from pycocoevalcap.bleu import bleu
+from pycocoevalcap.cider import cider
+from pycocoevalcap.meteor import meteor
+from pycocoevalcap.rouge import rouge
+from pycocoevalcap.spice import get_stanford_models
+from pycocoevalcap.spice import spice
+from pycocoevalcap.tokenizer import ptbtokenizer
+
+from procap_jax import errors
+
+RESERVED_NAMES = ('all', 'notes')
+_LINE_BREAKS = str.maketrans({c: ' ' for c in '\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029'})
+_JAVA_HINT = 'install a Java runtime (java on PATH); pycocoevalcap needs it'
+_spice_verdict: list[str | None] = []  # [] = not checked yet; [None] = usable; [reason]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring.
+
+
+def score_captions(predictions: Mapping[str, str], references: Mapping[str, Sequence[str]],
+                   groups: Mapping[str, Iterable[str]] | None = None, use_meteor: bool = True,
+                   use_spice: bool = True) -> dict:
+  """Scores one caption per id against its references, overall and per group.
+
+  Args:
+    predictions: id -> generated caption; only these ids are scored.
+    references: id -> reference captions (a superset of the predicted ids is fine).
+    groups: optional name -> ids (e.g. change types, `clevr_groups(...)`); each is scored on its
+      ids that have a prediction; groups with none are left out (with a note).
+    use_meteor: compute METEOR (about 10 s of Java start-up per call).
+    use_spice: report SPICE (`None` with a note when Stanford CoreNLP is not installed).
+
+  Returns:
+    `{'all': {'Bleu_1'..'Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr', 'SPICE': float}, '<group>': {...}}`
+    plus `'notes': [str]` when something was not computed. Metrics left out by the flags are
+    absent; all values are in [0, 1] except CIDEr (up to 10).
+  """
+  ids = _validate(predictions, references, groups)
+  group_ids = {'all': ids}
+  notes = []
+  empty_predictions = sum(not predictions[i].strip() for i in ids)
+  if empty_predictions:
+    notes.append(f'{empty_predictions} predictions are empty and were scored as empty captions')
+  empty_references = sum(not any(r.strip() for r in references[i]) for i in ids)
+  if empty_references:
+    notes.append(f'{empty_references} scored ids have only empty reference captions (scored as '
+                 'the original does)')
+  for name, members in (groups or {}).items():
+    members = set(members)
+    subset = [i for i in ids if i in members]
+    if subset:
+      group_ids[name] = subset
+    else:
+      notes.append(f'group {name!r} has no predicted ids and was not scored')
+
+  lines = _ptb_tokenize([predictions[i] for i in ids] +
+                        [c for i in ids for c in references[i]])
+  res, gts, pos = {}, {}, len(ids)
+  for n, i in enumerate(ids):
+    res[i] = [lines[n]]
+    gts[i] = lines[pos:pos + len(references[i])]
+    pos += len(references[i])
+
+  spice_per_id = None
+  if use_spice:
+    spice_per_id, note = _spice_scores(gts, res)
+    if note:
+      notes.append(note)
+  meteor_scorer = _start_meteor() if use_meteor else None
+  try:
+    results = {}
+    for name, subset in group_ids.items():
+      g = {i: gts[i] for i in subset}
+      r = {i: res[i] for i in subset}
+      scores = {}
+      bleus, _ = bleu.Bleu(4).compute_score(g, r, verbose=0)
+      for n, value in enumerate(bleus):
+        scores[f'Bleu_{n + 1}'] = float(value)
+      if meteor_scorer is not None:
+        scores['METEOR'] = float(meteor_scorer.compute_score(g, r)[0])
+      scores['ROUGE_L'] = float(rouge.Rouge().compute_score(g, r)[0])
+      scores['CIDEr'] = float(cider.Cider().compute_score(g, r)[0])
+      if use_spice:
+        scores['SPICE'] = (None if spice_per_id is None else
+                           float(np.mean([spice_per_id[i] for i in subset])))
+      results[name] = scores
+  finally:
+    if meteor_scorer is not None:
+      _stop_meteor(meteor_scorer)
+  if notes:
+    results['notes'] = notes
+  return results
+
+
+def clevr_groups(ids: Iterable[str]) -> dict[str, list[str]]:
+  """CLEVR-Change breakdown of the original: `change` (ids `...c`) and `no_change` (`...nc`).
+
+  Together with `'all'` (the "total" score the original logs and selects on) these are its three
+  scorings. As in `src/evaluate.py`, every id not ending in `nc` counts as a change.
+  """
+  ids = list(ids)
+  return {'change': [i for i in ids if not i.endswith('nc')],
+          'no_change': [i for i in ids if i.endswith('nc')]}
+
+
+def type_groups(type_mapping: Mapping[str, Iterable[str]],
+                ids: Iterable[str]) -> dict[str, list[str]]:
+  """Resolves a type file (type name -> ids) against the predicted ids.
+
+  An entry matches a predicted id directly or, failing that, by the original's CLEVR rule
+  (`'000123.png'` -> `'000123c'`, `utils.py` `score_generation_by_type`), so the CLEVR-Change
+  `type_mapping.json` works as is. Entries matching no prediction are dropped.
+  """
+  known = set(ids)
+  out = {}
+  for name, entries in type_mapping.items():
+    resolved = []
+    for entry in entries:
+      entry = str(entry)
+      if entry not in known:
+        entry = entry.split('.')[0] + 'c'
+      if entry in known:
+        resolved.append(entry)
+    out[str(name)] = resolved
+  return out
+
+
+def _validate(predictions, references, groups) -> list[str]:
+  """Checks the inputs; returns the predicted ids in reference order."""
+  if not isinstance(predictions, Mapping) or not predictions:
+    raise errors.UserError('there are no predictions to score; pass at least one id -> caption')
+  if not isinstance(references, Mapping):
+    raise errors.UserError('references must map each id to a list of captions, got '
+                           f'{type(references).__name__}')
+  missing = [i for i in predictions if i not in references]
+  if missing:
+    shown = ', '.join(repr(i) for i in missing[:3])
+    raise errors.UserError(f'{len(missing)} of {len(predictions)} predicted ids have no references '
+                           f'(e.g. {shown}); score against the reference file of the same split')
+  for i, caption in predictions.items():
+    if not isinstance(caption, str):
+      raise errors.UserError(f'the prediction for id {i!r} is {_describe(caption)}; every '
+                             'prediction must be a caption string')
+  for i in predictions:
+    refs = references[i]
+    if isinstance(refs, str) or not isinstance(refs, Sequence) or not refs:
+      raise errors.UserError(f'the references of id {i!r} are {_describe(refs)}; give a '
+                             'non-empty list of caption strings per id')
+    bad = [r for r in refs if not isinstance(r, str)]
+    if bad:
+      raise errors.UserError(f'a reference of id {i!r} is {_describe(bad[0])}; references '
+                             'must be caption strings')
+  if groups is not None:
+    if not isinstance(groups, Mapping):
+      raise errors.UserError(f'groups must map a name to a list of ids, got {_describe(groups)}')
+    for name, members in groups.items():
+      if not isinstance(name, str) or name in RESERVED_NAMES:
+        raise errors.UserError(f'{name!r} cannot name a group; use a string other than '
+                               f'{" / ".join(RESERVED_NAMES)}')
+      if isinstance(members, str) or not isinstance(members, Iterable):
+        raise errors.UserError(f'group {name!r} must be a list of ids, got {_describe(members)}')
+  wanted = set(predictions)
+  return [i for i in references if i in wanted]  # the reference file's order, as COCO's
+
+
+def _describe(value) -> str:
+  if isinstance(value, str):
+    return 'empty' if not value.strip() else repr(value[:40])
+  text = repr(value)
+  return f'{type(value).__name__} {text if len(text) <= 40 else text[:37] + "..."}'
+
+
+# ---------------------------------------------------------------------------------------------
+# Java: PTB tokenizer, METEOR, SPICE.
+
+
+def _ptb_tokenize(captions: list[str]) -> list[str]:
+  """pycocoevalcap's PTBTokenizer (same jar, flags and punctuation removal), one caption a line."""
+  jar = os.path.join(os.path.dirname(os.path.abspath(ptbtokenizer.__file__)),
+                     ptbtokenizer.STANFORD_CORENLP_3_4_1_JAR)
+  text = '\n'.join(c.translate(_LINE_BREAKS) for c in captions)
+  with tempfile.TemporaryDirectory(prefix='procap_ptb_') as tmp:
+    path = os.path.join(tmp, 'captions.txt')
+    with open(path, 'wb') as f:
+      f.write(text.encode())
+    cmd = ['java', '-cp', jar, 'edu.stanford.nlp.process.PTBTokenizer', '-preserveLines',
+           '-lowerCase', path]
+    try:
+      proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
+    except FileNotFoundError:
+      raise errors.UserError(f'java was not found; {_JAVA_HINT}') from None
+  if proc.returncode != 0:
+    raise RuntimeError(f'PTBTokenizer failed ({proc.returncode}): '
+                       f'{proc.stderr.decode(errors="replace")[-500:]}')
+  lines = proc.stdout.decode().split('\n')
+  if len(lines) < len(captions) or any(line.strip() for line in lines[len(captions):]):
+    raise RuntimeError(f'PTBTokenizer returned {len(lines)} lines for {len(captions)} captions')
+  punctuation = set(ptbtokenizer.PUNCTUATIONS)
+  return [' '.join(w for w in line.rstrip().split(' ') if w not in punctuation)
+          for line in lines[:len(captions)]]
+
+
+def _start_meteor() -> meteor.Meteor:
+  try:
+    return meteor.Meteor()
+  except FileNotFoundError:
+    raise errors.UserError(f'java was not found; {_JAVA_HINT}') from None
+
+
+def _stop_meteor(scorer: meteor.Meteor) -> None:
+  """Ends the METEOR Java process now (its own __del__ would wait for garbage collection)."""
+  with scorer.lock:
+    proc = scorer.meteor_p
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+      stream.close()
+    proc.kill()
+    proc.wait()
+
+
+def _spice_jars() -> list[str]:
+  base = os.path.join(get_stanford_models.SPICEDIR, get_stanford_models.SPICELIB,
+                      get_stanford_models.JAR)
+  return [base + '.jar', base + '-models.jar']
+
+
+def _spice_scores(gts, res) -> tuple[dict | None, str | None]:
+  """Per-id SPICE F-scores, or (None, note) when SPICE cannot run; the verdict is cached."""
+  if not _spice_verdict:
+    missing = [p for p in _spice_jars() if not os.path.exists(p)]
+    _spice_verdict.append(
+        f'SPICE not computed: Stanford CoreNLP 3.6.0 is not installed ({missing[0]}); run '
+        '"python -m pycocoevalcap.spice.get_stanford_models" with internet access to enable it'
+        if missing else None)
+  if _spice_verdict[0]:
+    return None, _spice_verdict[0]
+  try:
+    with _stdout_to_stderr():
+      _, per_id = spice.Spice().compute_score(gts, res)
+    scores = {i: float(s['All']['f']) for i, s in zip(sorted(gts), per_id)}
+  except Exception as e:  # noqa: BLE001 -- SPICE is optional: any failure disables it.
+    _spice_verdict[0] = f'SPICE not computed: it failed ({type(e).__name__}: {e})'[:300]
+    return None, _spice_verdict[0]
+  return scores, None
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+  """Sends file descriptor 1 (e.g. a Java child's output) to stderr for the duration."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  try:
+    os.dup2(2, 1)
+    yield
+  finally:
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# COCO-format files.
+
+
+def write_results(path: str, predictions: Mapping[str, str]) -> None:
+  """Writes `[{"image_id": id, "caption": c}, ...]` (the COCO results format), atomically."""
+  entries = [{'image_id': i, 'caption': c} for i, c in predictions.items()]
+  errors.write_text_atomic(os.fspath(path), json.dumps(entries, indent=1) + '\n')
+
+
+def read_results(path: str) -> dict[str, str]:
+  """Reads a COCO results file (or the original's `{"results": {id: [{"sentence"}]}}`).
+
+  Ids are returned as strings.
+  """
+  data = _read_json(path, 'results')
+  if isinstance(data, dict) and isinstance(data.get('results'), dict):
+    out = {}
+    for i, entries in data['results'].items():
+      if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
+        raise errors.UserError(f'results file {path} has no sentence for id {i!r}')
+      out[str(i)] = entries[0].get('sentence')
+    return out
+  if not isinstance(data, list):
+    raise errors.UserError(f'results file {path} is not a list of {{"image_id", "caption"}} '
+                           'entries; write it with write_results')
+  out = {}
+  for n, entry in enumerate(data):
+    if not isinstance(entry, dict) or 'image_id' not in entry or 'caption' not in entry:
+      raise errors.UserError(f'entry {n} of results file {path} lacks "image_id" or "caption"; '
+                             'each entry must have both')
+    i = str(entry['image_id'])
+    if i in out:
+      raise errors.UserError(f'results file {path} has two captions for id {i!r}; keep one '
+                             'caption per id')
+    out[i] = entry['caption']
+  return out
+
+
+def read_references(path: str) -> dict[str, list[str]]:
+  """Reads a COCO caption reference file: `{"annotations": [{"image_id", "caption"}], ...}`.
+
+  Ids are returned as strings; captions keep the file's order (empty ones included).
+  """
+  data = _read_json(path, 'reference')
+  if not isinstance(data, dict) or not isinstance(data.get('annotations'), list):
+    raise errors.UserError(f'reference file {path} has no "annotations" list; expected the COCO '
+                           'caption format')
+  out = {}
+  for n, ann in enumerate(data['annotations']):
+    if not isinstance(ann, dict) or 'image_id' not in ann or not isinstance(
+        ann.get('caption'), str):
+      raise errors.UserError(f'annotation {n} of reference file {path} lacks an "image_id" or a '
+                             'string "caption"; fix or regenerate the file')
+    out.setdefault(str(ann['image_id']), []).append(ann['caption'])
+  if not out:
+    raise errors.UserError(f'reference file {path} has no annotations; use a non-empty file')
+  return out
+
+
+def write_references(path: str, references: Mapping[str, Sequence[str]]) -> None:
+  """Writes references in the COCO caption format `read_references` (and pycocotools) read."""
+  images, annotations = [], []
+  for i, captions in references.items():
+    images.append({'id': i, 'file_name': i})
+    for caption in captions:
+      annotations.append({'image_id': i, 'caption': caption, 'id': len(annotations)})
+  data = {'info': {'description': 'procap-jax references'}, 'licenses': [], 'type': 'captions',
+          'images': images, 'annotations': annotations}
+  errors.write_text_atomic(os.fspath(path), json.dumps(data, indent=1) + '\n')
+
+
+def _read_json(path: str, what: str):
+  path = os.fspath(path)
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise errors.UserError(f'{what} file {path} does not exist; check the path') from None
+  except json.JSONDecodeError as e:
+    raise errors.UserError(f'{what} file {path} is not valid JSON ({e.msg} at line {e.lineno}); '
+                           'check that it was written completely') from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise errors.UserError(f'cannot read {what} file {path} ({e}); check the file') from None
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+@errors.exit_on_user_error
+def main(argv: Sequence[str] | None = None) -> dict:
+  """Scores a results file against a reference file; prints (and optionally writes) metrics."""
+  parser = argparse.ArgumentParser(
+      prog='python -m procap_jax.evaluation',
+      description='Scores generated captions with pycocoevalcap as the original ProCap does.')
+  parser.add_argument('--results', required=True, help='COCO results JSON (image_id, caption)')
+  parser.add_argument('--references', required=True, help='COCO caption reference JSON')
+  parser.add_argument('--out', help='write the metrics JSON here (atomically)')
+  parser.add_argument('--types', help='JSON object: group name -> list of ids (the CLEVR-Change '
+                      'type_mapping.json works as is)')
+  parser.add_argument('--clevr', action='store_true', help='add change / no_change groups')
+  parser.add_argument('--no-meteor', action='store_true', help='skip METEOR (saves ~10 s)')
+  parser.add_argument('--no-spice', action='store_true', help='skip SPICE')
+  args = parser.parse_args(argv)
+  predictions = read_results(args.results)
+  references = read_references(args.references)
+  groups = {}
+  if args.clevr:
+    groups.update(clevr_groups(predictions))
+  if args.types:
+    mapping = _read_json(args.types, 'types')
+    if not isinstance(mapping, dict) or not all(isinstance(v, list) for v in mapping.values()):
+      raise errors.UserError(f'types file {args.types} must be a JSON object mapping each group '
+                             'name to a list of ids')
+    groups.update(type_groups(mapping, predictions))
+  metrics = score_captions(predictions, references, groups or None,
+                           use_meteor=not args.no_meteor, use_spice=not args.no_spice)
+  text = json.dumps(metrics, indent=2)
+  if args.out:
+    errors.write_text_atomic(args.out, text + '\n')
+  print(text)
+  return metrics
+
+
+if __name__ == '__main__':
+  main()
