@@ -78,8 +78,13 @@ def _load_vocab_file(path: str) -> vocab_lib.Vocab:
 
 
 def scores_path(config, workdir: str) -> str:
+  """The confidence scores file: `config.data.scores_file`, else the authors' official file
+  copied next to the dataset by a real-dataset builder, else ours computed next to it."""
   if config.data.scores_file:
     return config.data.scores_file
+  official = os.path.join(dataset_dir(config, workdir), 'similarity_scores.json')
+  if os.path.exists(official):
+    return official
   return os.path.join(dataset_dir(config, workdir),
                       f'scores_{config.data.frame_source}_{config.data.scores_feature}.json')
 
@@ -163,7 +168,9 @@ class _Transform:
     after = _resize(record['after'], self.size)
     frames = self.frames(record, before, after)
     pair_id = _text(record['pair_id'])
-    scores = self.scores.get(pair_id) if self.scores is not None else None
+    scores = None
+    if self.scores is not None:  # official Spot-the-Diff files key pairs without '.png'
+      scores = self.scores.get(pair_id, self.scores.get(pair_id.removesuffix('.png')))
     strategy = self.sampler if (scores is not None or self.sampler != 'confidence') else 'uniform'
     d_start, d_end = scores if scores is not None else (None, None)
     idx = sampling.sample_keyframes(d_start, d_end, self.k, rng, strategy=strategy,

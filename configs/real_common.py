@@ -1,0 +1,59 @@
+"""Shared construction of the real-benchmark configs (paper size, spec table 9, and CPU smoke).
+
+Each dataset file (`clevr_change.py`, `spot_the_diff.py`, `image_editing_request.py`) calls
+`make(...)` with what differs per dataset; the schema is the synthetic config's.
+"""
+
+import ml_collections
+
+from configs import synthetic
+
+
+def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
+         word2idx_file: str = '') -> ml_collections.ConfigDict:
+  """A full config for `dataset` at `preset` ('paper' | 'cpu')."""
+  if preset not in ('paper', 'cpu'):
+    raise ValueError(f'unknown preset {preset!r} for {dataset}; choose paper or cpu')
+  config = synthetic.get_config('quick' if preset == 'cpu' else 'default')
+  config.preset = preset
+  d = config.data
+  d.name = dataset
+  d.word2idx_file = word2idx_file
+  if preset == 'cpu':
+    d.builder_config = 'tiny32'
+    d.image_size = 32
+    for stage in ('tokenizer', 'pretrain', 'caption'):
+      config[stage].train.steps = 4
+      config[stage].train.batch_size = 4
+      config[stage].train.log_every = 2
+      config[stage].train.eval_every = 4
+      config[stage].train.checkpoint_every = 4
+      config[stage].train.eval_batches = 1
+    config.caption.model.layers = decoder_layers
+    return config
+
+  # Paper size (spec section 9): 224 px, VQGAN f16 with 1024 codes of 256, encoder 768 wide.
+  d.builder_config = 'paper'
+  d.image_size = 224
+  t = config.tokenizer.model
+  t.ch, t.ch_mult, t.num_res_blocks, t.attn_resolutions = 128, (1, 1, 2, 2, 4), 2, (16,)
+  t.resolution, t.z_channels, t.embed_dim, t.n_embed = 224, 256, 256, 1024
+  config.tokenizer.train.steps = 50_000
+  config.tokenizer.train.batch_size = 16
+  config.tokenizer.train.lr = 4.5e-6 * 16      # taming's base lr x batch
+  p = config.pretrain.model
+  p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
+  p.text_vocab_size = 49408                      # CLIP BPE table rows, for checkpoint conversion
+  p.grid, p.feature_dim, p.codebook_size, p.num_frames = (14, 14), 256, 1024, 4
+  pt = config.pretrain.train
+  pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'
+  pt.eval_every, pt.checkpoint_every, pt.log_every = 5000, 5000, 100
+  c = config.caption.model
+  c.hidden, c.heads, c.ffn, c.layers = 512, 8, 2048, decoder_layers
+  ct = config.caption.train
+  ct.batch_size, ct.lr, ct.lr_encoder = 32, 5e-5, 2e-5
+  ct.steps = 40 * 2115            # 40 epochs; set from the train split size (see docstring)
+  ct.eval_every = ct.checkpoint_every = 2115
+  ct.log_every = 100
+  ct.eval_batches = 0
+  return config
