@@ -1,0 +1,309 @@
+"""Stage 1, explicit procedure modeling: the `pretrain` Task (spec section 4).
+
+Dimension legend: B batch, T frames, S image side, h x w token grid, N = h*w tokens per frame,
+L caption length, D width, K codebook size, C tokenizer feature channels.
+
+One step (the original's three transformer forwards, optionally fused into one of batch 3B):
+  1. positive:  [REL] caption [ST1] [VID] + masked frame tokens -> L_msm logits, rel+, vid+
+  2. rel-:      the same frame tokens with the control block swapped along the batch
+  3. vid-:      corrupted clips (re-encoded by the frozen tokenizer), same mask and caption
+Losses:
+  L_msm   = CE over the codebook on masked positions, token-level mean over the batch
+  L_align = sum_i m_i [BCE(rel+_i, 1) + BCE(rel-_i, 0)] / max(1, sum_i m_i)
+  L_csy   = [sum_i BCE(vid+_i, 1) + sum_i BCE(vid-_i, 0)] / max(1, sum_i m_i)   ('code')
+            sum_i m_i [BCE(vid+_i, 1) + BCE(vid-_i, 0)] / max(1, sum_i m_i)   ('mean')
+  L       = w_msm L_msm + w_align L_align + w_csy L_csy   (7 / 0.5 / 0.5)
+with m_i = 0 for fully masked samples (and padding rows, valid=False).
+
+The frozen tokenizer is reached through a small adapter object (`encode_features`,
+`encode_tokens`), so tests can inject a fake one with `make_task(tokenizer_factory=...)`.
+"""
+
+import dataclasses
+from typing import Any, Callable, Iterable, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from procap_jax import checkpointing
+from procap_jax import errors
+from procap_jax import train
+from procap_jax.data import pipeline
+from procap_jax.models import procedure_encoder
+from procap_jax.models import vqgan
+from procap_jax.tasks import corruptions
+from procap_jax.tasks import masking
+
+SUM_KEYS = ('msm_ce', 'msm_correct', 'msm_count', 'align_sum', 'included', 'match_correct',
+            'csy_sum_all', 'csy_sum_included', 'csy_correct')
+
+
+class Tokenizer(Protocol):
+  """The frozen tokenizer as seen by stage 1 (images float [M, S, S, 3] in [0, 1])."""
+
+  def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
+    """-> continuous features [M, h, w, C]."""
+
+  def encode_tokens(self, params: Any, images: jax.Array) -> jax.Array:
+    """-> code indices int32 [M, h*w]."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VQGANTokenizer:
+  """Adapter over `models.vqgan.VQGAN` (hashable, so it can be a static jit argument)."""
+  model: nn.Module
+
+  def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
+    return self.model.apply({'params': params}, images, method='encode_features')
+
+  def encode_tokens(self, params: Any, images: jax.Array) -> jax.Array:
+    return self.model.apply({'params': params}, images, method='encode_tokens')
+
+
+def vqgan_tokenizer(config: ml_collections.ConfigDict) -> VQGANTokenizer:
+  """The real tokenizer: VQGAN(**config.tokenizer.model)."""
+  kwargs = {k: tuple(v) if isinstance(v, list) else v
+            for k, v in config.tokenizer.model.to_dict().items()}
+  return VQGANTokenizer(vqgan.VQGAN(**kwargs))
+
+
+# ----------------------------------------------------------------------------- model and state
+
+
+def build_model(config: ml_collections.ConfigDict) -> procedure_encoder.ProcedureEncoder:
+  """ProcedureEncoder(**config.pretrain.model) computing in config.compute_dtype."""
+  kwargs = config.pretrain.model.to_dict()
+  kwargs['grid'] = tuple(kwargs['grid'])
+  if kwargs['text_vocab_size'] <= 0:
+    raise ValueError('config.pretrain.model.text_vocab_size must be set (the caption '
+                     'vocabulary size) before the encoder is built')
+  if kwargs['num_frames'] != config.data.num_keyframes + 2:
+    raise errors.UserError(
+        f'config.pretrain.model.num_frames={kwargs["num_frames"]} must equal '
+        f'config.data.num_keyframes + 2 = {config.data.num_keyframes + 2}; set both together')
+  return procedure_encoder.ProcedureEncoder(**kwargs, dtype=jnp.dtype(config.compute_dtype))
+
+
+def init_params(model: procedure_encoder.ProcedureEncoder, config: ml_collections.ConfigDict,
+                rng: jax.Array, batch: dict) -> Any:
+  """Boxed (logically partitioned) parameters, initialised on a batch of one."""
+  del config, batch
+  h, w = model.grid
+  text = jnp.zeros((1, model.text_len), jnp.int32)
+  features = jnp.zeros((1, model.num_frames, h, w, model.feature_dim), jnp.float32)
+  mask = jnp.zeros((1, model.num_frames, h * w), bool)
+  return model.init(rng, text, features, mask, use_rel=True)['params']
+
+
+def load_constants(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """The frozen tokenizer parameters of the finished tokenizer stage."""
+  del config
+  return {'tokenizer': checkpointing.load_stage_variables(workdir, 'tokenizer', which='best')[
+      'params']}
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def swap_batch(x: jax.Array) -> jax.Array:
+  """The original's control-block swap: even B exchanges the halves (sample i gets sample
+  i + B/2 mod B); odd B uses the fixed non-identity rotation i -> i + 1 mod B."""
+  b = x.shape[0]
+  if b < 2:
+    raise ValueError('the caption-alignment negatives need a batch of at least 2')
+  return jnp.roll(x, b // 2 if b % 2 == 0 else -1, axis=0)
+
+
+def _encode_clips(fn: Callable, params: Any, frames: jax.Array) -> jax.Array:
+  """Applies a per-image tokenizer function to clips [B, T, S, S, 3] -> [B, T, ...]."""
+  b, t = frames.shape[:2]
+  out = fn(params, frames.reshape((b * t,) + frames.shape[2:]))  # [B*T, ...]
+  return jax.lax.stop_gradient(out.reshape((b, t) + out.shape[1:]))  # [B, T, ...]
+
+
+def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
+                     config: ml_collections.ConfigDict, model: nn.Module,
+                     tokenizer: Tokenizer) -> dict:
+  """Sums over the batch from which every loss and accuracy follows (`losses_from_sums`).
+
+  Sums (not means) so evaluation can pool batches exactly. Padding rows (valid=False)
+  contribute nothing.
+
+  Args:
+    params: encoder parameters.
+    tokenizer_params: frozen tokenizer parameters.
+    batch: the batch contract; uses keyframes [B, T, S, S, 3] uint8, encoder_text [B, L],
+      valid [B].
+    rng: PRNG key (masks and corruptions).
+    config: the run config (config.pretrain).
+    model: the ProcedureEncoder.
+    tokenizer: see `Tokenizer`.
+
+  Returns:
+    dict of float32 scalars keyed by SUM_KEYS.
+  """
+  frames = jnp.asarray(batch['keyframes'], jnp.float32) / 255.0  # [B, T, S, S, 3]
+  text = jnp.asarray(batch['encoder_text'], jnp.int32)  # [B, L]
+  valid = jnp.asarray(batch['valid'], bool)  # [B]
+  b = frames.shape[0]
+  k_mask, k_corrupt = jax.random.split(rng)
+
+  features = _encode_clips(tokenizer.encode_features, tokenizer_params, frames)  # [B,T,h,w,C]
+  codes = _encode_clips(tokenizer.encode_tokens, tokenizer_params, frames)  # [B, T, N]
+  codes = codes.reshape(b, -1).astype(jnp.int32)  # [B, T*N]
+  masks = masking.sample_masks_from_config(k_mask, b, config)
+  corrupted, _ = corruptions.corrupt_from_config(k_corrupt, frames, config)
+  features_neg = _encode_clips(tokenizer.encode_features, tokenizer_params, corrupted)
+  text_swapped = swap_batch(text)
+
+  if config.pretrain.fused_forwards:
+    out = model.apply({'params': params}, jnp.concatenate([text, text_swapped, text]),
+                      jnp.concatenate([features, features, features_neg]),
+                      jnp.concatenate([masks.mask] * 3), use_rel=True)
+    frame_logits = out['frame_logits'][:b]  # [B, T*N, K]
+    rel_pos, rel_neg = out['rel_logit'][:b], out['rel_logit'][b:2 * b]
+    vid_pos, vid_neg = out['vid_logit'][:b], out['vid_logit'][2 * b:]
+  else:
+    apply = lambda txt, feats: model.apply({'params': params}, txt, feats, masks.mask,
+                                           use_rel=True)
+    pos, neg_rel, neg_vid = apply(text, features), apply(text_swapped, features), apply(
+        text, features_neg)
+    frame_logits = pos['frame_logits']
+    rel_pos, rel_neg = pos['rel_logit'], neg_rel['rel_logit']
+    vid_pos, vid_neg = pos['vid_logit'], neg_vid['vid_logit']
+
+  return statistics_from_logits(frame_logits, codes, masks.mask.reshape(b, -1),
+                                masks.fully_masked, valid, rel_pos, rel_neg, vid_pos, vid_neg)
+
+
+def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
+                           fully_masked: jax.Array, valid: jax.Array, rel_pos: jax.Array,
+                           rel_neg: jax.Array, vid_pos: jax.Array, vid_neg: jax.Array) -> dict:
+  """The SUM_KEYS sums from the heads' outputs.
+
+  Args:
+    frame_logits: [B, T*N, K] masked-token logits of the positive forward.
+    codes: int [B, T*N] target codes.
+    token_mask: bool [B, T*N], True = masked (a prediction target).
+    fully_masked: bool [B].
+    valid: bool [B]; False rows contribute nothing.
+    rel_pos, rel_neg: [B] [REL] logits of the matched and swapped captions.
+    vid_pos, vid_neg: [B] [VID] logits of the clean and corrupted clips.
+  """
+  token_mask = (token_mask & valid[:, None]).astype(jnp.float32)  # [B, T*N]
+  ce = optax.softmax_cross_entropy_with_integer_labels(frame_logits, codes)  # [B, T*N]
+  correct = (jnp.argmax(frame_logits, -1) == codes).astype(jnp.float32)  # [B, T*N]
+  included = (valid & ~fully_masked).astype(jnp.float32)  # [B]
+  validf = valid.astype(jnp.float32)
+  bce = optax.sigmoid_binary_cross_entropy
+  align = bce(rel_pos, jnp.ones_like(rel_pos)) + bce(rel_neg, jnp.zeros_like(rel_neg))  # [B]
+  csy = bce(vid_pos, jnp.ones_like(vid_pos)) + bce(vid_neg, jnp.zeros_like(vid_neg))  # [B]
+  match = ((rel_pos > 0) & (rel_neg < 0)).astype(jnp.float32)  # [B]
+  consistent = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
+  return dict(
+      msm_ce=jnp.sum(ce * token_mask), msm_correct=jnp.sum(correct * token_mask),
+      msm_count=jnp.sum(token_mask), align_sum=jnp.sum(align * included),
+      included=jnp.sum(included), match_correct=jnp.sum(match * included),
+      csy_sum_all=jnp.sum(csy * validf), csy_sum_included=jnp.sum(csy * included),
+      csy_correct=jnp.sum(consistent * included))
+
+
+def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
+  """Losses, total and accuracies from `batch_statistics` sums (jnp or numpy scalars).
+
+  Accuracies: masked-token top-1; match = rel+ > 0 and rel- < 0; consistency = vid+ > 0 and
+  vid- < 0; both over the included (not fully masked, valid) samples.
+  """
+  norm = config.pretrain.csy_normalisation
+  if norm not in ('code', 'mean'):
+    raise ValueError(f"config.pretrain.csy_normalisation must be 'code' or 'mean', got {norm!r}")
+  tokens = jnp.maximum(1.0, sums['msm_count'])
+  included = jnp.maximum(1.0, sums['included'])
+  csy_sum = sums['csy_sum_all'] if norm == 'code' else sums['csy_sum_included']
+  out = dict(loss_msm=sums['msm_ce'] / tokens, loss_align=sums['align_sum'] / included,
+             loss_csy=csy_sum / included, msm_acc=sums['msm_correct'] / tokens,
+             match_acc=sums['match_correct'] / included, csy_acc=sums['csy_correct'] / included)
+  w = config.pretrain.loss_weights
+  out['loss'] = w.msm * out['loss_msm'] + w.align * out['loss_align'] + w.csy * out['loss_csy']
+  return out
+
+
+# ----------------------------------------------------------------------------- optimisation
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """The original's DeepSpeed WarmupLR: lr(n) = lo + (lr - lo) ln(n + 1) / ln(W) for n < W
+  ('log'), or lo + (lr - lo) n / W ('linear'); then the constant lr. n = updates so far."""
+  t = config.pretrain.train
+  lo, hi, steps = float(t.warmup_min), float(t.lr), int(t.warmup_steps)
+  if t.warmup not in ('log', 'linear'):
+    raise ValueError(f"config.pretrain.train.warmup must be 'log' or 'linear', got {t.warmup!r}")
+
+  def schedule(count):
+    n = jnp.asarray(count, jnp.float32)
+    if steps <= 1:
+      return jnp.full_like(n, hi)
+    frac = jnp.log(n + 1.0) / np.log(steps) if t.warmup == 'log' else n / steps
+    return jnp.where(n < steps, lo + (hi - lo) * frac, hi)
+
+  return schedule
+
+
+def make_optimizer(config: ml_collections.ConfigDict,
+                   total_steps: int) -> optax.GradientTransformation:
+  """Global-norm clip, then Adam (0.9, 0.999, 1e-8, no weight decay) on `learning_rate`."""
+  del total_steps  # constant after warmup
+  return optax.chain(optax.clip_by_global_norm(config.pretrain.train.clip),
+                     optax.adam(learning_rate(config), b1=0.9, b2=0.999, eps=1e-8))
+
+
+# ----------------------------------------------------------------------------- task
+
+
+_statistics_jit = jax.jit(batch_statistics, static_argnames=('config', 'model', 'tokenizer'))
+_EVAL_KEYS = ('keyframes', 'encoder_text', 'valid')
+
+
+def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.ConfigDict,
+                     model: nn.Module, tokenizer: Tokenizer, batches: Iterable[dict]) -> dict:
+  """Pools `batch_statistics` over `batches` with a fixed key per batch index -> floats."""
+  frozen = ml_collections.FrozenConfigDict(config)
+  totals = {k: 0.0 for k in SUM_KEYS}
+  for i, batch in enumerate(batches):
+    rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), i)
+    sums = _statistics_jit(params, tokenizer_params, {k: batch[k] for k in _EVAL_KEYS}, rng,
+                           config=frozen, model=model, tokenizer=tokenizer)
+    for k, v in jax.device_get(sums).items():
+      totals[k] += float(v)
+  return {k: float(v) for k, v in losses_from_sums(
+      {k: np.float64(v) for k, v in totals.items()}, config).items()}
+
+
+def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer] = vqgan_tokenizer
+              ) -> train.Task:
+  """The pretrain Task, with the frozen tokenizer built by `tokenizer_factory(config)`."""
+
+  def loss_fn(params, model_state, constants, batch, rng, config, model):
+    sums = batch_statistics(params, constants['tokenizer'], batch, rng, config, model,
+                            tokenizer_factory(config))
+    metrics = losses_from_sums(sums, config)
+    return metrics['loss'], (metrics, model_state)
+
+  def evaluate(state, constants, config, model, split, workdir, *, batches=None):
+    if batches is None:
+      t = config.pretrain.train
+      batches = pipeline.make_eval_iterator(config, split, workdir, t.batch_size,
+                                            num_batches=t.eval_batches)
+    return evaluate_batches(nn.meta.unbox(state.params), constants['tokenizer'], config, model,
+                            tokenizer_factory(config), batches)
+
+  return train.Task(name='pretrain', build_model=build_model, init_params=init_params,
+                    loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
+                    load_constants=load_constants)
+
+
+TASK = make_task()

@@ -1,0 +1,248 @@
+"""Tests for models/procedure_encoder.py and the CLIP block in models/layers.py."""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from procap_jax.models import layers
+from procap_jax.models import procedure_encoder as pe
+
+# Prime-ish dims; a non-square grid checks the (t, h, w) flat order.
+KW = dict(width=30, depth=1, heads=3, mlp_ratio=2, text_len=5, text_vocab_size=11, num_frames=3,
+          grid=(2, 3), feature_dim=7, codebook_size=13)
+B = 2
+N = 6
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  text = jnp.array([[3, 4, 0, 0, 0], [1, 2, 3, 9, 0]], jnp.int32)
+  feats = jnp.asarray(rng.normal(size=(B, 3, 2, 3, 7)), jnp.float32)
+  mask = jnp.asarray(rng.random((B, 3, N)) < 0.5)
+  return text, feats, mask
+
+
+@pytest.fixture(scope='module')
+def model_and_params():
+  model = pe.ProcedureEncoder(**KW)
+  text, feats, mask = _inputs()
+  init = jax.jit(lambda k: model.init(k, text, feats, mask, use_rel=True)['params'])
+  return model, init(jax.random.PRNGKey(0))
+
+
+def _blocked(mask):
+  return sorted(zip(*np.nonzero(~mask)))
+
+
+def test_attention_mask_stage1():
+  m = pe.attention_mask(3, 5, use_rel=True)  # REL + 3 text + ST1 + VID + 5 frames
+  assert m.shape == (11, 11)
+  # [ST1] (row 4) cannot see columns 0..3; [VID] (row 5) cannot see 0..4; nothing else blocked.
+  assert _blocked(m) == [(4, c) for c in range(4)] + [(5, c) for c in range(5)]
+
+
+def test_attention_mask_stage2_code_is_off_by_one():
+  m = pe.attention_mask(3, 5, use_rel=False, stage2_mask='code')  # 3 text + ST1 + VID + 5 frames
+  assert m.shape == (10, 10)
+  # Rows 4 ([VID]) and 5 (first frame token) are restricted; [ST1] (row 3) sees everything.
+  assert _blocked(m) == [(4, c) for c in range(4)] + [(5, c) for c in range(5)]
+  assert m[3].all()
+
+
+def test_attention_mask_stage2_aligned():
+  m = pe.attention_mask(3, 5, use_rel=False, stage2_mask='aligned')
+  assert _blocked(m) == [(3, c) for c in range(3)] + [(4, c) for c in range(4)]
+  m = pe.attention_mask(0, 5, use_rel=False, stage2_mask='aligned')  # no text slots
+  assert _blocked(m) == [(1, 0)]
+  m = pe.attention_mask(0, 5, use_rel=False, stage2_mask='code')
+  assert _blocked(m) == [(1, 0), (2, 0), (2, 1)]
+  with pytest.raises(ValueError):
+    pe.attention_mask(3, 5, use_rel=False, stage2_mask='typo')
+
+
+def test_output_shapes_and_tree(model_and_params):
+  model, params = model_and_params
+  text, feats, mask = _inputs()
+  apply = jax.jit(lambda p, t, **kw: model.apply({'params': p}, t, feats, mask, **kw),
+                  static_argnames=('use_rel', 'text_slot'))
+  out = apply(params, text, use_rel=True)
+  s = 1 + 5 + 2 + 3 * N
+  assert out['hidden'].shape == (B, s, 30)
+  assert out['frame_hidden'].shape == (B, 3 * N, 30)
+  np.testing.assert_array_equal(out['frame_hidden'], out['hidden'][:, 8:])
+  assert out['frame_logits'].shape == (B, 3 * N, 13)
+  assert out['rel_logit'].shape == (B,) and out['vid_logit'].shape == (B,)
+  # Stage-2 calls use the same tree and give the frame outputs.
+  for slot, length in (('code', 5), ('padding', 5), ('none', 0)):
+    out2 = apply(params, None, use_rel=False, text_slot=slot)
+    assert out2['hidden'].shape == (B, length + 2 + 3 * N, 30)
+    assert out2['frame_hidden'].shape == (B, 3 * N, 30)
+    assert 'rel_logit' not in out2
+  init2 = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), None, feats, mask, use_rel=False)['params'])
+  assert (jax.tree.structure(nn.meta.unbox(init2)) ==
+          jax.tree.structure(nn.meta.unbox(params)))
+  flat = flax.traverse_util.flatten_dict(nn.meta.unbox(params), sep='/')
+  assert flat['text_emb'].shape == (11 + 5 + 1, 30)
+  assert flat['resblocks_0/attn/in_proj/kernel'].shape == (30, 90)
+  assert flat['target_pos_emb/weights_1'].shape == (1, 2, 1, 30)
+  assert flat['image_emb'].shape == (15, 30)
+
+
+def test_logical_axis_names(model_and_params):
+  _, params = model_and_params
+  names = {'/'.join(k): v.names for k, v in flax.traverse_util.flatten_dict(params).items()}
+  assert names['resblocks_0/attn/in_proj/kernel'] == ('embed', 'heads')
+  assert names['resblocks_0/attn/in_proj/bias'] == ('heads',)
+  assert names['resblocks_0/attn/out_proj/kernel'] == ('heads', 'embed')
+  assert names['resblocks_0/mlp/c_fc/kernel'] == ('embed', 'mlp')
+  assert names['resblocks_0/mlp/c_proj/kernel'] == ('mlp', 'embed')
+  assert names['resblocks_0/ln_1/scale'] == ('norm',)
+  assert names['to_logits/dense/kernel'] == ('embed', 'vocab')
+  assert names['text_emb'] == ('text_vocab', 'embed')
+
+
+def _method(fn):
+  return lambda module, *a: fn(module, *a)
+
+
+def test_text_slots_and_padding_rows(model_and_params):
+  model, params = model_and_params
+  text, _, _ = _inputs()
+  emb = model.apply({'params': params}, text, B, 'code', method=_method(pe.ProcedureEncoder._text))
+  table = np.asarray(params['text_emb'].value)
+  pos = np.asarray(params['text_pos_emb'].value)
+  ids = np.where(np.asarray(text) == 0, 11 + np.arange(5), np.asarray(text))
+  np.testing.assert_allclose(emb, table[ids] + pos[None], rtol=1e-6)
+  code = model.apply({'params': params}, None, B, 'code', method=_method(pe.ProcedureEncoder._text))
+  np.testing.assert_allclose(code[1], table[:5] + pos, rtol=1e-6)
+  pad = model.apply({'params': params}, None, B, 'padding',
+                    method=_method(pe.ProcedureEncoder._text))
+  np.testing.assert_allclose(pad[0], table[11:16] + pos, rtol=1e-6)
+  none = model.apply({'params': params}, None, B, 'none', method=_method(pe.ProcedureEncoder._text))
+  assert none.shape == (B, 0, 30)
+
+
+def test_frame_tokens_mask_and_axial_order(model_and_params):
+  model, params = model_and_params
+  _, feats, mask = _inputs()
+  params = dict(nn.meta.unbox(params))
+  params['image_mask'] = jnp.arange(30.0)
+  tokens = model.apply({'params': params}, feats, mask,
+                       method=_method(pe.ProcedureEncoder._frames))  # [B, T*N, D]
+  w = params['target_pos_emb']
+  normed = nn.LayerNorm(epsilon=1e-5).apply({'params': params['conv_to_embedding']['norm']}, feats)
+  dense_p = params['conv_to_embedding']['dense']
+  emb = np.asarray(normed @ dense_p['kernel'] + dense_p['bias'])  # [B, T, h, w, D]
+  for b in range(B):
+    for t in range(3):
+      for i in range(2):
+        for j in range(3):
+          pos = (w['weights_0'][t, 0, 0] + w['weights_1'][0, i, 0] + w['weights_2'][0, 0, j])
+          flat = t * N + i * 3 + j
+          base = np.arange(30.0) if mask[b, t, i * 3 + j] else emb[b, t, i, j]
+          np.testing.assert_allclose(tokens[b, flat], base + pos, rtol=1e-5, atol=1e-5)
+
+
+def test_vid_and_st1_cannot_see_text_in_one_layer(model_and_params):
+  model, params = model_and_params
+  text, feats, mask = _inputs()
+  other = text.at[:, 0].set(7)
+  a = model.apply({'params': params}, text, feats, mask, use_rel=True)
+  b = model.apply({'params': params}, other, feats, mask, use_rel=True)
+  np.testing.assert_allclose(a['vid_logit'], b['vid_logit'], rtol=1e-6)  # depth 1
+  np.testing.assert_allclose(a['hidden'][:, 6], b['hidden'][:, 6], rtol=1e-6)  # [ST1]
+  assert not np.allclose(a['rel_logit'], b['rel_logit'])
+  assert not np.allclose(a['frame_logits'], b['frame_logits'])
+
+
+def _torch_block_reference(x, p, heads):
+  """OpenAI CLIP ResidualAttentionBlock in numpy with torch-layout weights."""
+
+  def ln(v, w, b):
+    mu = v.mean(-1, keepdims=True)
+    var = v.var(-1, keepdims=True)
+    return (v - mu) / np.sqrt(var + 1e-5) * w + b
+
+  d = x.shape[-1]
+  dh = d // heads
+  h = ln(x, p['ln_1.weight'], p['ln_1.bias'])
+  qkv = h @ p['attn.in_proj_weight'].T + p['attn.in_proj_bias']
+  q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+  out = np.zeros_like(x)
+  for hd in range(heads):
+    sl = slice(hd * dh, (hd + 1) * dh)
+    s = (q[..., sl] / np.sqrt(dh)) @ np.swapaxes(k[..., sl], -1, -2)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s = s / s.sum(-1, keepdims=True)
+    out[..., sl] = s @ v[..., sl]
+  x = x + out @ p['attn.out_proj.weight'].T + p['attn.out_proj.bias']
+  h = ln(x, p['ln_2.weight'], p['ln_2.bias'])
+  h = h @ p['mlp.c_fc.weight'].T + p['mlp.c_fc.bias']
+  h = h / (1 + np.exp(-1.702 * h))
+  return x + h @ p['mlp.c_proj.weight'].T + p['mlp.c_proj.bias']
+
+
+def test_block_matches_torch_layout_reference():
+  d, heads, f = 12, 3, 24
+  rng = np.random.default_rng(0)
+  shapes = {'ln_1.weight': (d,), 'ln_1.bias': (d,), 'attn.in_proj_weight': (3 * d, d),
+            'attn.in_proj_bias': (3 * d,), 'attn.out_proj.weight': (d, d),
+            'attn.out_proj.bias': (d,), 'ln_2.weight': (d,), 'ln_2.bias': (d,),
+            'mlp.c_fc.weight': (f, d), 'mlp.c_fc.bias': (f,), 'mlp.c_proj.weight': (d, f),
+            'mlp.c_proj.bias': (d,)}
+  tp = {k: rng.normal(size=s).astype(np.float32) * 0.3 for k, s in shapes.items()}
+  # The documented conversion: transpose linear weights, LN weight -> scale.
+  params = {
+      'ln_1': {'scale': tp['ln_1.weight'], 'bias': tp['ln_1.bias']},
+      'attn': {'in_proj': {'kernel': tp['attn.in_proj_weight'].T, 'bias': tp['attn.in_proj_bias']},
+               'out_proj': {'kernel': tp['attn.out_proj.weight'].T,
+                            'bias': tp['attn.out_proj.bias']}},
+      'ln_2': {'scale': tp['ln_2.weight'], 'bias': tp['ln_2.bias']},
+      'mlp': {'c_fc': {'kernel': tp['mlp.c_fc.weight'].T, 'bias': tp['mlp.c_fc.bias']},
+              'c_proj': {'kernel': tp['mlp.c_proj.weight'].T, 'bias': tp['mlp.c_proj.bias']}}}
+  block = layers.ResidualAttentionBlock(d, heads, mlp_ratio=2)
+  x = rng.normal(size=(2, 7, d)).astype(np.float32)
+  init = jax.eval_shape(lambda: block.init(jax.random.PRNGKey(0), x)['params'])
+  assert (jax.tree.structure(nn.meta.unbox(init)) == jax.tree.structure(params))
+  got = block.apply({'params': params}, x)
+  np.testing.assert_allclose(got, _torch_block_reference(x, tp, heads), rtol=1e-4, atol=1e-4)
+
+
+def _hand_count(depth, width=768, text_vocab=49408, text_len=24, t=4, h=14, w=14, c=256,
+                k=1024, mlp=4):
+  d = width
+  block = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * mlp * d + mlp * d) + (
+      mlp * d * d + d)
+  embeddings = ((text_vocab + text_len + 1) * d + text_len * d + 5 * d + 5 * d + (k + 2) * d + d
+                + (t + h + w) * d)
+  conv_to_embedding = 2 * c + c * d + d
+  heads = (2 * d + d * k + k) + 2 * (2 * d + d + 1)
+  return depth * block + embeddings + conv_to_embedding + heads
+
+
+@pytest.mark.parametrize('dataset,depth,expected', [
+    ('clevr_change', 12, 124_849_922), ('spot_the_diff', 4, 68_146_946),
+    ('image_editing_request', 12, 124_849_922)])
+def test_paper_parameter_counts(dataset, depth, expected):
+  cfg = pe.paper_config(dataset)
+  assert cfg['depth'] == depth
+  assert _hand_count(depth) == expected
+  assert pe.param_count(cfg) == expected
+  # One CLIP ViT-B/32 residual block has 7,087,872 parameters.
+  assert _hand_count(1) - _hand_count(0) == 7_087_872
+
+
+def test_fewer_frames_take_the_first_axial_positions(model_and_params):
+  model, params = model_and_params
+  _, feats, mask = _inputs()
+  frames = _method(pe.ProcedureEncoder._frames)
+  full = model.apply({'params': params}, feats, mask, method=frames)  # [B, 3*N, D]
+  two = model.apply({'params': params}, feats[:, :2], mask[:, :2], method=frames)  # [B, 2*N, D]
+  np.testing.assert_allclose(two, full[:, :2 * N], rtol=1e-6)
+  with pytest.raises(ValueError):
+    model.apply({'params': params}, jnp.concatenate([feats, feats[:, :1]], 1),
+                jnp.concatenate([mask, mask[:, :1]], 1), method=frames)
