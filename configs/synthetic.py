@@ -66,12 +66,16 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
       lr=2e-3 if small else 1e-3,
       warmup_steps=10 if preset == 'tiny' else 100,
-      l1_weight=1.0,
+      clip=1.0,                        # global-norm gradient clipping (codebook excluded)
+      frames_per_example=1,            # random keyframes per example per step (0 = all T)
+      l1_weight=1.0,                   # reconstruction losses in the [-1, 1] space
       l2_weight=1.0,
-      codebook_weight=1.0,
+      codebook_weight=1.0,             # x beta x commitment; the codebook itself follows an EMA
+      codebook_decay=0.99,             # EMA decay of code usage counts and code sums
       dead_code_restart=True,
-      restart_every=50,
-      gan_weight=0.0,
+      restart_every=50,                # restart dead codes every this many steps (from step 0)
+      dead_code_threshold=0.03,        # dead: EMA usage below this many uses per step
+      gan_weight=0.0,                  # > 0 adds a PatchGAN discriminator (hinge loss)
       log_every=10 if preset == 'tiny' else 50,
       eval_every={'tiny': 20, 'quick': 150, 'default': 500}[preset],
       checkpoint_every={'tiny': 10, 'quick': 150, 'default': 500}[preset],
@@ -109,6 +113,8 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       color_shift=0.5,
   ))
   p.loss_weights = ml_collections.ConfigDict(dict(msm=7.0, align=0.5, csy=0.5))
+  p.csy_normalisation = 'code'         # 'code': fully masked samples in the numerator only; 'mean'
+  p.fused_forwards = True              # the 3 stage-1 forwards as one call of batch 3B (same losses)
   p.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 1500}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
@@ -141,6 +147,7 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       text_slot='code',                # stage-2 text slots: 'code' rows 0..L-1 | 'padding' | 'none'
       stage2_mask='code',              # 'code': original off-by-one [ST1]/[VID] rows | 'aligned'
       use_queries=True,                # False: static baseline memory (before/after only)
+      vocab_size=0,                    # 0 -> taken from the caption vocabulary at build time
   ))
   c.init_from_pretrain = True          # restore the encoder from the stage-1 checkpoint
   c.train = ml_collections.ConfigDict(dict(
@@ -152,12 +159,18 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       weight_decay=0.01,
       clip=1.0,
       label_smoothing=0.1,
+      loss_reduction='sum',            # original: KL summed over target words; 'mean' per word
+      t_total_factor=1.0,              # schedule length / steps (2.0 = the original 2-GPU launch)
       log_every=10 if preset == 'tiny' else 50,
       eval_every={'tiny': 20, 'quick': 200, 'default': 500}[preset],
       checkpoint_every={'tiny': 10, 'quick': 200, 'default': 500}[preset],
       eval_batches=2 if preset == 'tiny' else 0,  # 0 = the whole split
   ))
-  c.decoding = ml_collections.ConfigDict(dict(method='greedy', beam_size=3))
+  c.decoding = ml_collections.ConfigDict(dict(
+      method='greedy',                 # original: greedy; 'beam'
+      beam_size=3,
+      alpha=0.0,                       # beam length penalty ((5+len)/6)^alpha; 0 = sum of log-probs
+  ))
   return c
 
 

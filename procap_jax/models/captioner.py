@@ -1,0 +1,159 @@
+"""Stage-2 model: procedure encoder + procedure queries + memory MLP + caption decoder.
+
+Dimensions: B batch, k imagined frames (procedure-query frames), T = k + 2 frame slots,
+h x w tokenizer grid, N = h * w tokens per frame, C tokenizer feature width, D encoder width,
+M = T * N memory length, H decoder width, L caption length, V vocab, K codebook size.
+
+Frame slots given to the stage-1 encoder (spec 5.2):
+  [before features (N), k x N procedure queries, after features (N)]
+The procedure queries are the encoder's learned [MASK] vector (`image_mask`), i.e. the middle k
+frames are passed as fully masked (`frame_mask` True); they differ only by their axial (t, h, w)
+position embeddings. The decoder memory is the encoder output at ALL T x N frame slots through
+`memory_mlp` = Dense(D, D) -> ReLU -> Dense(D, H) -> LayerNorm(H), without any padding mask.
+
+With `use_queries=False` (static baseline / "w/o queries" ablation) only the before and after
+slots exist (T = 2, M = 2N): the encoder is built with 2 frame rows, and a stage-1 checkpoint
+fills them with its rows 0 and k + 1, so before and after keep their stage-1 frame positions
+(`tasks.caption.restore_pretrained_encoder`, docs/fidelity.md).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from procap_jax import decoding
+from procap_jax.data import vocab as vocab_lib
+from procap_jax.models import decoder as decoder_lib
+
+
+class MemoryMLP(nn.Module):
+  """Dense(D, D) -> ReLU -> Dense(D, H) -> LayerNorm(H) (torch LayerNorm, eps 1e-5)."""
+  hidden: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [B, M, D] -> [B, M, H] float32."""
+    width = x.shape[-1]
+    x = nn.Dense(width, dtype=self.dtype, name='dense_0',
+                 kernel_init=decoder_lib.torch_kernel_init(('embed', 'mlp')),
+                 bias_init=decoder_lib.torch_bias_init(width, ('mlp',)))(x)
+    x = nn.relu(x)
+    x = nn.Dense(self.hidden, dtype=self.dtype, name='dense_1',
+                 kernel_init=decoder_lib.torch_kernel_init(('mlp', 'embed')),
+                 bias_init=decoder_lib.torch_bias_init(width, ('embed',)))(x)
+    return decoder_lib.DecoderLayerNorm('standard', name='norm')(x)
+
+
+class Captioner(nn.Module):
+  """Stage-2 captioner.
+
+  Attributes:
+    encoder: the stage-1 `ProcedureEncoder` (same parameter tree as stage 1, so the stage-1
+      checkpoint's params slot into `params['encoder']`); any module with its call signature
+      `(text, frame_features [B, T, h, w, C], frame_mask [B, T, N], *, use_rel, stage2_mask,
+      text_slot) -> dict(frame_hidden [B, T*N, D], frame_logits [B, T*N, K], ...)`.
+    decoder: the `CaptionDecoder`.
+    num_queries: k, the number of procedure-query frames.
+    use_queries: False -> only the before and after slots (T = 2).
+    text_slot: stage-2 text slots of the encoder ('code' | 'padding' | 'none', spec 8.1).
+    stage2_mask: encoder attention mask in stage 2 ('code' | 'aligned', spec 8.2).
+    dtype: computation dtype of the memory MLP.
+  """
+  encoder: nn.Module
+  decoder: nn.Module
+  num_queries: int = 2
+  use_queries: bool = True
+  text_slot: str = 'code'
+  stage2_mask: str = 'code'
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.memory_mlp = MemoryMLP(self.decoder.hidden, self.dtype)
+
+  def frame_slots(self, before_feats: jax.Array,
+                  after_feats: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Frame inputs [B, T, h, w, C] and frame mask [B, T, N] (True = procedure query)."""
+    b, gh, gw, c = before_feats.shape
+    k = self.num_queries if self.use_queries else 0
+    middle = jnp.zeros([b, k, gh, gw, c], before_feats.dtype)  # replaced by the queries
+    frames = jnp.concatenate([before_feats[:, None], middle, after_feats[:, None]], 1)
+    mask = jnp.zeros([b, k + 2, gh * gw], bool).at[:, 1:k + 1].set(True)  # [B, T, N]
+    return frames, mask
+
+  def _encoder_outputs(self, before_feats: jax.Array, after_feats: jax.Array) -> dict:
+    frames, mask = self.frame_slots(before_feats, after_feats)
+    return self.encoder(None, frames, mask, use_rel=False, stage2_mask=self.stage2_mask,
+                        text_slot=self.text_slot)
+
+  def encode(self, before_feats: jax.Array, after_feats: jax.Array) -> jax.Array:
+    """Decoder memory.
+
+    Args:
+      before_feats, after_feats: tokenizer features [B, h, w, C].
+
+    Returns:
+      memory [B, M, H], M = T * N.
+    """
+    out = self._encoder_outputs(before_feats, after_feats)
+    return self.memory_mlp(out['frame_hidden'])
+
+  def decode_logits(self, memory: jax.Array, tokens: jax.Array,
+                    train: bool = False) -> jax.Array:
+    """Teacher-forced logits [B, L, V] of `tokens` [B, L] given `memory` [B, M, H]."""
+    return self.decoder(tokens, memory, train)
+
+  def __call__(self, before_feats: jax.Array, after_feats: jax.Array, tokens: jax.Array,
+               train: bool = False) -> jax.Array:
+    """Logits [B, L, V] of `tokens` [B, L] for the pairs' features [B, h, w, C]."""
+    return self.decode_logits(self.encode(before_feats, after_feats), tokens, train)
+
+  def init_cache(self, memory: jax.Array) -> dict:
+    """The decoder's incremental-decoding cache for `memory` [B, M, H]."""
+    return self.decoder.init_cache(memory)
+
+  def decode_step(self, cache: dict, token: jax.Array,
+                  pos: jax.Array) -> tuple[jax.Array, dict]:
+    """(cache, token [B], pos) -> (logits [B, V], cache): the step function of `decoding`."""
+    return self.decoder.step(cache, token, pos)
+
+  def imagine(self, before_feats: jax.Array, after_feats: jax.Array) -> jax.Array:
+    """Code ids [B, k, N] of the imagined intermediate frames.
+
+    The procedure-query outputs through the (frozen) stage-1 token head `to_logits`, argmax;
+    decode them with the tokenizer's `decode_tokens` to see the imagined frames.
+    """
+    if not self.use_queries:
+      raise ValueError('imagine() needs procedure queries (config.caption.model.use_queries)')
+    out = self._encoder_outputs(before_feats, after_feats)
+    logits = out['frame_logits']  # [B, T*N, K]
+    b, n = before_feats.shape[0], before_feats.shape[1] * before_feats.shape[2]
+    logits = logits.reshape(b, self.num_queries + 2, n, logits.shape[-1])  # [B, T, N, K]
+    return jnp.argmax(logits[:, 1:-1], axis=-1).astype(jnp.int32)  # [B, k, N]
+
+
+def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,
+             method: str = 'greedy', beam_size: int = 3, alpha: float = 0.0,
+             max_len: int = 24) -> jax.Array:
+  """Caption ids [B, max_len] ([BOS] first, [PAD] after [EOS]) for features [B, h, w, C].
+
+  The encoder runs once; the decoder then runs one position at a time on its KV cache inside a
+  single `lax.while_loop` (`decoding.greedy` or `decoding.beam_search`). Jit the caller.
+  """
+  variables = {'params': params}
+  memory = model.apply(variables, before_feats, after_feats, method='encode')  # [B, M, H]
+  cache = model.apply(variables, memory, method='init_cache')
+
+  def step(cache, token, pos):
+    return model.apply(variables, cache, token, pos, method='decode_step')
+
+  ids = dict(max_len=max_len, bos_id=vocab_lib.BOS, eos_id=vocab_lib.EOS, unk_id=vocab_lib.UNK,
+             pad_id=vocab_lib.PAD)
+  if method == 'greedy':
+    return decoding.greedy(step, cache, before_feats.shape[0], **ids)
+  if method == 'beam':
+    return decoding.beam_search(step, cache, before_feats.shape[0], beam_size=beam_size,
+                                alpha=alpha, **ids)[0]
+  raise ValueError(f"decoding method must be 'greedy' or 'beam', got {method!r}")

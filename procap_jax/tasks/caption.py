@@ -1,0 +1,452 @@
+"""Stage 2, implicit procedure captioning: the `caption` Task (spec sections 5-7).
+
+Dimension legend: B batch, S image side, h x w tokenizer grid, C feature channels, k procedure-
+query frames, N = h*w tokens per frame, L caption length, V vocab, M memory length, H decoder
+width.
+
+One step: before/after images -> frozen tokenizer features [B, h, w, C] -> captioner (encoder
+with procedure queries, memory MLP, decoder) -> teacher-forced logits [B, L, V] ->
+label-smoothed KL summed over the valid target positions (the original's `LabelSmoothingLoss`).
+Optimiser: the original's BertAdam (no bias correction, decoupled decay except on 'bias'
+parameters) with the warmup_linear schedule, the encoder at `lr_encoder`, the memory MLP and
+decoder at `lr`, the stage-1 heads frozen, global-norm clipping. docs/fidelity.md lists every
+departure from the original and its switch.
+
+The frozen tokenizer is reached through a small adapter (`encode_features`, `decode_tokens`), so
+tests inject a fake one with `make_task(tokenizer_factory=...)`.
+"""
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Iterable, NamedTuple
+
+import flax.linen as nn
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from procap_jax import checkpointing
+from procap_jax import errors
+from procap_jax import evaluation
+from procap_jax import train
+from procap_jax.data import pipeline
+from procap_jax.data import vocab as vocab_lib
+from procap_jax.models import captioner as captioner_lib
+from procap_jax.models import decoder as decoder_lib
+from procap_jax.models import procedure_encoder
+
+# Stage-1 heads that stay frozen in stage 2 (the original's `skip_params`, spec 5.1).
+FROZEN_ENCODER_MODULES = ('to_logits', 'to_logits_rel', 'to_logits_vid', 'image_emb')
+# The axial frame-position table of the encoder ([T, 1, 1, D]); see `restore_pretrained_encoder`.
+_FRAME_POSITIONS = ('target_pos_emb', 'weights_0')
+_METRIC_ORDER = ('CIDEr', 'Bleu_4', 'METEOR', 'ROUGE_L', 'SPICE', 'Bleu_1', 'Bleu_2', 'Bleu_3')
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenTokenizer:
+  """Adapter over `models.vqgan.VQGAN` (hashable: usable as a static jit argument)."""
+  model: nn.Module
+
+  def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
+    """[B, S, S, 3] in [0, 1] -> continuous features [B, h, w, C]."""
+    return self.model.apply({'params': params}, images, method='encode_features')
+
+  def decode_tokens(self, params: Any, ids: jax.Array) -> jax.Array:
+    """[B, N] code ids -> images [B, S, S, 3] in [0, 1]."""
+    return self.model.apply({'params': params}, ids, method='decode_tokens')
+
+
+def vqgan_tokenizer(config: ml_collections.ConfigDict) -> FrozenTokenizer:
+  from procap_jax.models import vqgan  # pylint: disable=g-import-not-at-top
+  return FrozenTokenizer(vqgan.VQGAN(**config.tokenizer.model))
+
+
+# ----------------------------------------------------------------------------- model and params
+
+
+def build_model(config: ml_collections.ConfigDict) -> captioner_lib.Captioner:
+  """The Captioner of `config.caption.model` around `ProcedureEncoder(**config.pretrain.model)`.
+
+  Without procedure queries the encoder has T = 2 frame slots (before, after).
+  """
+  m = config.caption.model
+  if m.vocab_size <= 0:
+    raise ValueError('config.caption.model.vocab_size must be set (the caption vocabulary size) '
+                     'before the captioner is built')
+  enc = config.pretrain.model.to_dict()
+  enc['grid'] = tuple(enc['grid'])
+  k = enc['num_frames'] - 2
+  if k != config.data.num_keyframes:
+    raise errors.UserError(
+        f'config.pretrain.model.num_frames={enc["num_frames"]} must equal '
+        f'config.data.num_keyframes + 2 = {config.data.num_keyframes + 2}; set both together')
+  if not m.use_queries:
+    enc['num_frames'] = 2
+  dtype = jnp.dtype(config.compute_dtype)
+  encoder = procedure_encoder.ProcedureEncoder(**enc, dtype=dtype)
+  decoder = decoder_lib.CaptionDecoder(
+      vocab_size=m.vocab_size, hidden=m.hidden, heads=m.heads, ffn=m.ffn, layers=m.layers,
+      dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
+      qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
+  return captioner_lib.Captioner(encoder=encoder, decoder=decoder, num_queries=k,
+                                 use_queries=m.use_queries, text_slot=m.text_slot,
+                                 stage2_mask=m.stage2_mask, dtype=dtype)
+
+
+def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDict,
+                rng: jax.Array, batch: dict, workdir: str | None = None) -> Any:
+  """Boxed parameters; the encoder from the stage-1 checkpoint when `init_from_pretrain`.
+
+  Args:
+    model: the Captioner.
+    config: the resolved config.
+    rng: init rng.
+    batch: a batch of the contract (only `caption_in`'s length is used).
+    workdir: the run's workdir (needed to find the stage-1 checkpoint).
+  """
+  gh, gw = config.pretrain.model.grid
+  feats = jnp.zeros([1, gh, gw, config.pretrain.model.feature_dim], jnp.float32)
+  tokens = jnp.asarray(batch['caption_in'][:1], jnp.int32)
+  params = model.init(rng, feats, feats, tokens)['params']
+  if config.caption.init_from_pretrain:
+    if workdir is None:
+      raise ValueError('caption init_params needs the workdir to restore the stage-1 encoder '
+                       '(config.caption.init_from_pretrain is True)')
+    params = restore_pretrained_encoder(params, workdir)
+  return params
+
+
+def restore_pretrained_encoder(params: Any, workdir: str) -> Any:
+  """Replaces `params['encoder']` (boxed or not) by the stage-1 checkpoint's parameters.
+
+  Every leaf must exist in the checkpoint with the same shape, except the frame-position table:
+  an encoder with 2 frame slots (no procedure queries) takes the checkpoint's first and LAST
+  frame rows, so before/after keep the positions they had in stage 1.
+
+  Raises:
+    UserError: no stage-1 checkpoint, or one trained with another encoder config.
+  """
+  try:
+    stage1 = checkpointing.load_stage_variables(workdir, 'pretrain')['params']
+  except errors.UserError:
+    raise errors.UserError(
+        f'stage 2 starts from the stage-1 encoder, but {os.path.join(workdir, "pretrain")} has no '
+        'checkpoint; run the pretrain stage first (or set config.caption.init_from_pretrain=False)'
+    ) from None
+  ours = flax.traverse_util.flatten_dict(dict(params['encoder']))
+  theirs = flax.traverse_util.flatten_dict(dict(stage1))
+  problems = [f'{"/".join(p)} missing' for p in ours if p not in theirs]
+  problems += [f'{"/".join(p)} unexpected' for p in theirs if p not in ours]
+  restored = {}
+  for path, leaf in ours.items():
+    if path not in theirs:
+      continue
+    value = np.asarray(theirs[path])
+    shape = tuple(nn.meta.unbox(leaf).shape)
+    if path == _FRAME_POSITIONS and shape[0] == 2 and value.shape[0] > 2:
+      value = value[[0, -1]]  # [2, 1, 1, D]: the before and after rows
+    if value.shape != shape:
+      problems.append(f'{"/".join(path)} has shape {value.shape}, expected {shape}')
+      continue
+    value = jnp.asarray(value, nn.meta.unbox(leaf).dtype)
+    restored[path] = leaf.replace_boxed(value) if isinstance(leaf, nn.meta.AxisMetadata) else value
+  if problems:
+    raise errors.UserError(
+        'the stage-1 checkpoint does not fit this encoder (' + '; '.join(problems[:4])
+        + (' ...' if len(problems) > 4 else '') + '); rerun the pretrain stage with this '
+        'config.pretrain.model or use its workdir')
+  params = dict(params)
+  params['encoder'] = flax.traverse_util.unflatten_dict(restored)
+  return params
+
+
+def load_constants(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """The frozen tokenizer parameters of the finished tokenizer stage."""
+  del config
+  return {'tokenizer': checkpointing.load_stage_variables(workdir, 'tokenizer')['params']}
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def teacher_forcing_labels(caption_in: jax.Array) -> jax.Array:
+  """`vocab.decoder_labels` in jnp: [B, L] inputs -> [B, L] targets, -1 = ignored."""
+  following = caption_in[:, 1:]
+  labels = jnp.where(following != vocab_lib.PAD, following, vocab_lib.IGNORE)
+  return jnp.pad(labels, ((0, 0), (0, 1)), constant_values=vocab_lib.IGNORE).astype(jnp.int32)
+
+
+def label_smoothing_loss(logits: jax.Array, labels: jax.Array,
+                         smoothing: float) -> tuple[jax.Array, jax.Array]:
+  """The original `LabelSmoothingLoss` (spec 5.4): KL(q || softmax(logits)) SUMMED.
+
+  q puts 1 - smoothing on the gold word and smoothing / (V - 1) on every other word.
+
+  Args:
+    logits: [B, L, V].
+    labels: [B, L] int, -1 = ignored position.
+    smoothing: e.g. 0.1.
+
+  Returns:
+    (summed KL over valid positions, number of valid positions), float32 scalars.
+  """
+  v = logits.shape[-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, L, V]
+  valid = labels != vocab_lib.IGNORE
+  gold = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+  confidence, other = 1.0 - smoothing, smoothing / (v - 1)
+  neg_entropy = jax.scipy.special.xlogy(confidence, confidence) + (
+      (v - 1) * jax.scipy.special.xlogy(other, other))
+  cross = confidence * gold + other * (jnp.sum(logp, axis=-1) - gold)  # [B, L]
+  kl = jnp.where(valid, neg_entropy - cross, 0.0)
+  return jnp.sum(kl), jnp.sum(valid).astype(jnp.float32)
+
+
+def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
+               config: ml_collections.ConfigDict, model: nn.Module,
+               tokenizer: FrozenTokenizer) -> tuple[jax.Array, dict]:
+  """(loss, metrics) of a training batch; loss is the summed KL ('sum') or per word ('mean')."""
+  before, after = _features(tokenizer, tokenizer_params, batch['before'], batch['after'])
+  tokens = jnp.asarray(batch['caption_in'], jnp.int32)
+  labels = teacher_forcing_labels(tokens)
+  labels = jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
+  logits = model.apply({'params': params}, before, after, tokens, train=True,
+                       rngs={'dropout': rng})
+  t = config.caption.train
+  total, count = label_smoothing_loss(logits, labels, t.label_smoothing)
+  per_word = total / jnp.maximum(count, 1.0)
+  correct = jnp.sum((jnp.argmax(logits, -1) == labels) & (labels != vocab_lib.IGNORE))
+  if t.loss_reduction not in ('sum', 'mean'):
+    raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
+                     f'{t.loss_reduction!r}')
+  loss = total if t.loss_reduction == 'sum' else per_word
+  return loss, {'loss_per_word': per_word, 'loss_sum': total, 'tokens': count,
+                'accuracy': correct / jnp.maximum(count, 1.0)}
+
+
+def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Array,
+              after: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint8 images [B, S, S, 3] -> frozen features [B, h, w, C] each (one tokenizer call)."""
+  b = before.shape[0]
+  images = jnp.concatenate([jnp.asarray(before), jnp.asarray(after)]).astype(jnp.float32) / 255.0
+  feats = jax.lax.stop_gradient(tokenizer.encode_features(tokenizer_params, images))
+  return feats[:b], feats[b:]  # [B, h, w, C] each
+
+
+# ----------------------------------------------------------------------------- optimisation
+
+
+def warmup_linear(peak: float, total_steps: int, warmup_frac: float) -> optax.Schedule:
+  """The original `warmup_linear` (spec 5.5): x = step / total; x / w for x < w, then
+  (1 - x) / (1 - w), floored at 0; times `peak`. The first update (step 0) has lr 0."""
+
+  def schedule(count):
+    x = jnp.asarray(count, jnp.float32) / total_steps
+    decay = (1.0 - x) / (1.0 - warmup_frac)
+    mult = jnp.where(x < warmup_frac, x / warmup_frac, decay) if warmup_frac > 0 else decay
+    return peak * jnp.maximum(mult, 0.0)
+
+  return schedule
+
+
+class BertAdamState(NamedTuple):
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def _path_names(path) -> list[str]:
+  return [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path]
+
+
+def decay_mask(params: Any) -> Any:
+  """True where weight decay applies: every parameter whose path does not contain 'bias' (the
+  original's effective rule; LayerNorm scales, image_mask and embeddings are decayed)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: 'bias' not in '/'.join(_path_names(path)), params)
+
+
+def bert_adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+              eps: float = 1e-6, weight_decay: float = 0.01,
+              mask: Callable[[Any], Any] | None = decay_mask) -> optax.GradientTransformation:
+  """The original BertAdam (spec 5.5) as an optax transformation.
+
+  m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2 (NO bias correction);
+  update = -lr_t * (m / (sqrt(v) + eps) + wd * p [where mask(p)]), lr_t = schedule(step) with
+  step counted from 0. (Its per-tensor clip to norm 1 is a no-op after the global clip.)
+  """
+
+  def init_fn(params):
+    return BertAdamState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(jnp.zeros_like, params),
+                         nu=jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError('bert_adam needs the params (decoupled weight decay)')
+    mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, updates)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, updates)
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    decays = mask(params) if mask is not None else jax.tree.map(lambda _: True, params)
+
+    def one(m, v, p, decay):
+      step = m / (jnp.sqrt(v) + eps)
+      if decay and weight_decay:
+        step = step + weight_decay * p
+      return (-lr * step).astype(p.dtype)
+
+    new = jax.tree.map(one, mu, nu, params, decays)
+    return new, BertAdamState(count=state.count + 1, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def param_labels(params: Any) -> Any:
+  """'frozen' (stage-1 heads), 'encoder' (rest of the encoder) or 'decoder' (MLP + decoder)."""
+
+  def label(path, _):
+    names = _path_names(path)
+    if names[0] != 'encoder':
+      return 'decoder'
+    return 'frozen' if any(n in FROZEN_ENCODER_MODULES for n in names[1:]) else 'encoder'
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def make_optimizer(config: ml_collections.ConfigDict,
+                   total_steps: int) -> optax.GradientTransformation:
+  """Global-norm clip, then BertAdam per group: encoder at lr_encoder, memory MLP and decoder
+  at lr, the stage-1 heads frozen. t_total = total_steps * t_total_factor."""
+  t = config.caption.train
+  t_total = max(1, int(round(total_steps * t.t_total_factor)))
+
+  def group(lr):
+    return bert_adam(warmup_linear(lr, t_total, t.warmup_frac), weight_decay=t.weight_decay)
+
+  return optax.chain(
+      optax.clip_by_global_norm(t.clip),
+      optax.multi_transform({'encoder': group(t.lr_encoder), 'decoder': group(t.lr),
+                             'frozen': optax.set_to_zero()}, param_labels))
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'tokenizer', 'method', 'beam_size',
+                                             'alpha', 'max_len'))
+def _generate(params, tokenizer_params, before, after, *, model, tokenizer, **settings):
+  feats_b, feats_a = _features(tokenizer, tokenizer_params, before, after)
+  return captioner_lib.generate(model, params, feats_b, feats_a, **settings)  # [B, L]
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'tokenizer'))
+def _imagine(params, tokenizer_params, before, after, *, model, tokenizer) -> jax.Array:
+  feats_b, feats_a = _features(tokenizer, tokenizer_params, before, after)
+  codes = model.apply({'params': params}, feats_b, feats_a, method='imagine')  # [B, k, N]
+  b, k, n = codes.shape
+  images = tokenizer.decode_tokens(tokenizer_params, codes.reshape(b * k, n))  # [B*k, S, S, 3]
+  return images.reshape((b, k) + images.shape[1:])  # [B, k, S, S, 3]
+
+
+def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, model: nn.Module,
+             before: np.ndarray, after: np.ndarray,
+             tokenizer: FrozenTokenizer | None = None) -> np.ndarray:
+  """Caption token ids [B, L] (greedy or beam per config.caption.decoding) for uint8 pairs."""
+  d = config.caption.decoding
+  return np.asarray(_generate(
+      nn.meta.unbox(params), constants['tokenizer'], before, after, model=model,
+      tokenizer=tokenizer or vqgan_tokenizer(config), method=d.method,
+      beam_size=int(d.beam_size), alpha=float(d.alpha), max_len=int(config.caption.model.max_len)))
+
+
+def imagine_frames(params: Any, constants: dict, config: ml_collections.ConfigDict,
+                   model: nn.Module, before: np.ndarray, after: np.ndarray,
+                   tokenizer: FrozenTokenizer | None = None) -> np.ndarray:
+  """The k imagined intermediate frames [B, k, S, S, 3] in [0, 1] for uint8 pairs."""
+  return np.asarray(_imagine(nn.meta.unbox(params), constants['tokenizer'], before, after,
+                             model=model, tokenizer=tokenizer or vqgan_tokenizer(config)))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def change_groups(info: list[dict], ids: Iterable[str]) -> dict[str, list[str]]:
+  """Pair ids by change type name (present types only), plus 'change' (type != none) and
+  'no_change' when the ids have both."""
+  kept = set(ids)
+  groups: dict[str, list[str]] = {}
+  for rec in info:
+    if rec['pair_id'] in kept:
+      groups.setdefault(pipeline.CHANGE_TYPES[rec['change_type']], []).append(rec['pair_id'])
+  change = [i for name, members in groups.items() if name != 'none' for i in members]
+  if change and groups.get('none'):  # otherwise one of them would just repeat 'all'
+    groups['change'] = change
+    groups['no_change'] = list(groups['none'])
+  return groups
+
+
+def flat_metrics(scores: dict) -> dict[str, float]:
+  """{'all': {...}, group: {...}} -> {'CIDEr': .., 'change/CIDEr': ..} (numbers only)."""
+  out = {}
+  for group, metrics in scores.items():
+    if not isinstance(metrics, dict):
+      continue  # 'notes'
+    names = sorted(metrics, key=lambda n: (_METRIC_ORDER + (n,)).index(n))
+    for name in names:
+      value = metrics[name]
+      if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        out[name if group == 'all' else f'{group}/{name}'] = float(value)
+  return out
+
+
+def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTokenizer] =
+              vqgan_tokenizer) -> train.Task:
+  """The caption Task, with the frozen tokenizer built by `tokenizer_factory(config)`."""
+
+  def loss_fn(params, model_state, constants, batch, rng, config, model):
+    loss, metrics = batch_loss(params, constants['tokenizer'], batch, rng, config, model,
+                               tokenizer_factory(config))
+    return loss, (metrics, model_state)
+
+  def evaluate(state, constants, config, model, split, workdir, *, batches=None, info=None,
+               vocab=None, write_predictions=True, use_meteor=None, use_spice=None):
+    """Decodes `split`, scores it; METEOR/SPICE by default only on 'test' (val selects on CIDEr).
+
+    `batches` defaults to the whole split for 'test' and `eval_batches` batches otherwise.
+    Predictions go to `<workdir>/caption/predictions_<split>.json` (COCO results format).
+    """
+    info = info if info is not None else pipeline.load_split_info(config, split, workdir)
+    vocab = vocab if vocab is not None else pipeline.load_vocab(config, workdir)
+    t = config.caption.train
+    if batches is None:
+      batches = pipeline.make_eval_iterator(config, split, workdir, t.batch_size,
+                                            num_batches=0 if split == 'test' else t.eval_batches)
+    tokenizer = tokenizer_factory(config)
+    predictions = {}
+    for batch in batches:
+      tokens = generate(state.params, constants, config, model, batch['before'], batch['after'],
+                        tokenizer)
+      for row, index, valid in zip(tokens, batch['example_index'], batch['valid']):
+        if valid:
+          predictions[info[int(index)]['pair_id']] = vocab.decode(row)
+    references = {rec['pair_id']: rec['captions'] for rec in info
+                  if rec['pair_id'] in predictions}
+    full = split == 'test'
+    scores = evaluation.score_captions(
+        predictions, references, groups=change_groups(info, predictions),
+        use_meteor=full if use_meteor is None else use_meteor,
+        use_spice=full if use_spice is None else use_spice)
+    if write_predictions:
+      evaluation.write_results(os.path.join(workdir, 'caption', f'predictions_{split}.json'),
+                               predictions)
+    return flat_metrics(scores)
+
+  return train.Task(name='caption', build_model=build_model, init_params=init_params,
+                    loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
+                    load_constants=load_constants)
+
+
+TASK = make_task()
