@@ -29,7 +29,7 @@ from procap_jax import errors
 def _manager(directory: str, max_to_keep: int, read_only: bool = False) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, create=not read_only, cleanup_tmp_directories=not read_only,
-      enable_async_checkpointing=False, read_only=read_only)
+      enable_async_checkpointing=False)
   return ocp.CheckpointManager(os.path.abspath(directory), options=options,
                                item_names=('state', 'data', 'meta'))
 

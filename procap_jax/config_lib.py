@@ -24,6 +24,8 @@ _CHOICES = {
     'caption.model.text_slot': ('code', 'padding', 'none'),
     'caption.model.stage2_mask': ('code', 'aligned'),
     'caption.decoding.method': ('greedy', 'beam'),
+    'caption.train.loss_reduction': ('sum', 'mean'),
+    'pretrain.csy_normalisation': ('code', 'mean'),
     'compute_dtype': ('float32', 'bfloat16'),
 }
 STAGES = ('tokenizer', 'pretrain', 'caption')

@@ -20,6 +20,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from procap_jax import errors
@@ -48,9 +49,12 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
   from procap_jax import config_lib
   from procap_jax import stages
 
+  from procap_jax.data import pipeline
+
   config_lib.validate(config)
-  config_lib.check_workdir(config, workdir)
   stages.prepare_data(config, workdir)
+  pipeline.resolve_vocab_sizes(config, workdir)
+  config_lib.check_workdir(config, workdir)
   if mode == 'build':
     stats = stages.dataset_statistics(config, workdir)
     print(json.dumps(stats, indent=1))
@@ -76,6 +80,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)
   _maybe_init_distributed()
   run(_CONFIG.value, _WORKDIR.value, _MODE.value, _SPLIT.value, _WHICH.value)
 

@@ -59,9 +59,8 @@ def _compute_scores(config, workdir: str, path: str) -> None:
   entries = {}
   for split in ('train', 'val', 'test'):
     src = pipeline.open_source(config, workdir, split)
-    entries.update(scores_lib.compute_dataset_scores(
-        src, feature_fn, source=config.data.frame_source, desc=f'scores {split}'))
-  scores_lib.write_scores(path, entries, style='flat')
+    entries.update(scores_lib.scores_for_split(src, config.data.frame_source, feature_fn))
+  scores_lib.write_scores(path, entries, 'auto')
   print(f'wrote confidence scores for {len(entries)} pairs in {time.time() - t0:.0f} s', flush=True)
 
 
@@ -103,6 +102,7 @@ def run_all(config, workdir: str) -> dict:
 def restore_for_eval(config, workdir: str, stage: str, which: str):
   """(task, model, state, constants) for host-side evaluation of a saved checkpoint."""
   task = TASKS[stage]
+  pipeline.resolve_vocab_sizes(config, workdir)
   model = task.build_model(config)
   variables = checkpointing.load_stage_variables(workdir, stage, which)
   meta = checkpointing.read_meta(workdir, stage, which)

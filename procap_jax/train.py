@@ -36,6 +36,8 @@ class Task:
       updated by the step (e.g. code-usage counters); {} when unused.
     load_constants: (config, workdir) -> pytree of frozen inputs (e.g. tokenizer variables),
       passed replicated to every step; None when unused.
+    restore_init: optional (params, config, workdir) -> params applied once after a fresh
+      init (not on resume), outside jit, e.g. stage 2 loading the stage-1 encoder.
     loss_fn: (params, model_state, constants, batch, rng, config, model) ->
       (loss, (metrics dict of scalars, new model_state)). Pure and jittable; train mode.
     make_optimizer: (config, total_steps) -> optax.GradientTransformation.
@@ -50,6 +52,7 @@ class Task:
   evaluate: Callable[..., Any]
   init_model_state: Callable[..., Any] = lambda model, config, rng, batch: {}
   load_constants: Callable[..., Any] = lambda config, workdir: None
+  restore_init: Callable[..., Any] | None = None
 
 
 @flax.struct.dataclass
@@ -218,6 +221,7 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   seed = int(config.seed)
   select_name, select_mode = SELECTION[task.name]
 
+  pipeline.resolve_vocab_sizes(config, workdir)
   model = task.build_model(config)
   train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed)
   example = jax.tree.map(np.asarray, train_ds[0])
@@ -244,6 +248,9 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     best_value = meta.get('best_value')
     checkpointing.check_config_compatible(meta.get('config'), config, task.name)
     print(f'[{task.name}] resumed from step {start} ({stage_dir})', flush=True)
+  elif task.restore_init is not None:
+    params = task.restore_init(jax.device_get(state.params), config, workdir)
+    state = state.replace(params=jax.device_put(params, state_sh.params))
   log = MetricsLog(os.path.join(stage_dir, 'metrics.jsonl'), start)
   meta_base = {'config': config.to_dict(), 'stage': task.name}
 

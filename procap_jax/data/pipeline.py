@@ -72,6 +72,17 @@ def load_vocab(config, workdir: str) -> vocab_lib.Vocab:
   return _load_vocab_file(path)
 
 
+def resolve_vocab_sizes(config, workdir: str) -> None:
+  """Fills the vocabulary sizes left at 0 in the config (encoder text table, decoder vocab)
+  from the caption vocabulary, in place. Idempotent."""
+  size = None
+  for section in (config.pretrain.model, config.caption.model):
+    key = 'text_vocab_size' if 'text_vocab_size' in section else 'vocab_size'
+    if not section[key]:
+      size = size or load_vocab(config, workdir).size
+      section[key] = size
+
+
 @functools.lru_cache(maxsize=8)
 def _load_vocab_file(path: str) -> vocab_lib.Vocab:
   return vocab_lib.Vocab.load(path)

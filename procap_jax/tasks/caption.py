@@ -112,12 +112,16 @@ def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDic
   feats = jnp.zeros([1, gh, gw, config.pretrain.model.feature_dim], jnp.float32)
   tokens = jnp.asarray(batch['caption_in'][:1], jnp.int32)
   params = model.init(rng, feats, feats, tokens)['params']
-  if config.caption.init_from_pretrain:
-    if workdir is None:
-      raise ValueError('caption init_params needs the workdir to restore the stage-1 encoder '
-                       '(config.caption.init_from_pretrain is True)')
+  if config.caption.init_from_pretrain and workdir is not None:
     params = restore_pretrained_encoder(params, workdir)
   return params
+
+
+def restore_init(params: Any, config: ml_collections.ConfigDict, workdir: str) -> Any:
+  """The trainer's hook after a fresh init: the stage-1 encoder when `init_from_pretrain`."""
+  if not config.caption.init_from_pretrain:
+    return params
+  return restore_pretrained_encoder(params, workdir)
 
 
 def restore_pretrained_encoder(params: Any, workdir: str) -> Any:
@@ -446,7 +450,7 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
 
   return train.Task(name='caption', build_model=build_model, init_params=init_params,
                     loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
-                    load_constants=load_constants)
+                    load_constants=load_constants, restore_init=restore_init)
 
 
 TASK = make_task()

@@ -1,0 +1,373 @@
+"""VQGAN image tokenizer: a flax.linen port of taming-transformers' `VQModel`.
+
+Dimensions: B batch, S image side, h/w token grid (S / 2**(len(ch_mult) - 1)), C channels,
+D code width (embed_dim), Z encoder output width (z_channels), K codebook size (n_embed).
+Layout is NHWC throughout; images enter as float32 in [0, 1].
+
+Architecture (taming/modules/diffusionmodules/model.py, taming/models/vqgan.py):
+  Encoder: conv_in -> per level i: num_res_blocks x (ResnetBlock [+ AttnBlock when the level's
+    resolution is in attn_resolutions]) then Downsample (not after the last level) -> mid
+    (ResnetBlock, AttnBlock, ResnetBlock) -> GroupNorm -> swish -> conv_out (Z channels).
+  quant_conv (1x1, Z -> D) -> VectorQuantizer (K x D) -> post_quant_conv (1x1, D -> Z).
+  Decoder: conv_in -> mid -> per level i from last to first: (num_res_blocks + 1) x
+    (ResnetBlock [+ AttnBlock]) then Upsample (not after level 0) -> GroupNorm -> swish ->
+    conv_out (3 channels).
+  Downsample zero-pads right and bottom by one pixel, then a 3x3 stride-2 VALID conv; Upsample is
+  nearest x2 followed by a 3x3 conv. The level resolution is tracked with integer halving exactly as
+  taming, so at 224 px with ch_mult (1, 1, 2, 2, 4) the levels run 224-112-56-28-14 and
+  attn_resolutions=(16,) never fires: only the mid blocks have attention (14 x 14 = 196 tokens).
+
+GroupNorm: taming uses 32 groups (eps 1e-6). Small configs have fewer than 32 channels, so the
+group count here is gcd(32, C): 32 whenever C is a multiple of 32 (every taming config), else the
+largest power-of-two divisor of C (e.g. 16 groups for C = 16, 16 for C = 48).
+
+Input scaling (the original's quirk, docs/architecture.md): taming trains and tokenises on 2x - 1.
+  `token_input_scale`   'signed' (original): encode_tokens/__call__ feed 2x - 1; 'unit' feeds x.
+  `feature_input_scale` 'unit' (original ProCap quirk): encode_features feeds x in [0, 1] unchanged;
+                        'signed' feeds 2x - 1 like the tokens.
+The decoder produces the [-1, 1] space; outputs are mapped back with (y + 1) / 2.
+
+Quantizer losses follow taming's legacy `VectorQuantizer2`: both terms are the mean squared
+distance between z and its code; `commitment_loss` carries the gradient to the encoder
+(||sg(z_q) - z||^2) and `codebook_loss` to the codebook (||z_q - sg(z)||^2). The legacy total is
+`quant_loss = commitment_loss + beta * codebook_loss` (legacy puts beta on the codebook term;
+standard VQ-VAE puts it on the commitment term). The tokenizer task chooses how to combine them.
+
+Checkpoint conversion from taming (PyTorch state_dict key -> flax params path):
+  encoder.conv_in.weight/bias              -> encoder/conv_in/kernel, bias
+  encoder.down.{i}.block.{j}.{norm1,conv1,norm2,conv2,nin_shortcut}
+                                           -> encoder/down_{i}/block_{j}/{same names}
+  encoder.down.{i}.attn.{j}.{norm,q,k,v,proj_out} -> encoder/down_{i}/attn_{j}/{same names}
+  encoder.down.{i}.downsample.conv         -> encoder/down_{i}/downsample/conv
+  encoder.mid.{block_1,attn_1,block_2}     -> encoder/mid/{block_1,attn_1,block_2}
+  encoder.norm_out, encoder.conv_out       -> encoder/norm_out, encoder/conv_out
+  quant_conv, post_quant_conv              -> quant_conv, post_quant_conv
+  quantize.embedding.weight [K, D]         -> quantize/embedding [K, D] (no transpose)
+  decoder.conv_in, decoder.mid.*           -> decoder/conv_in, decoder/mid/*
+  decoder.up.{i}.block.{j} / attn.{j} / upsample.conv -> decoder/up_{i}/block_{j} / attn_{j} /
+                                              upsample/conv  (taming's up[i] is level i, as here)
+  decoder.norm_out, decoder.conv_out       -> decoder/norm_out, decoder/conv_out
+  GroupNorm weight/bias -> scale/bias. Every conv weight (including the 1x1 q/k/v/proj_out,
+  nin_shortcut, quant_conv, post_quant_conv) is OIHW in PyTorch and HWIO here:
+  kernel = weight.transpose(2, 3, 1, 0). Biases copy unchanged. Loss/discriminator keys are ignored.
+"""
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+CONV_AXES = (None, None, 'conv_in', 'conv_out')
+# PyTorch's default Conv2d initialisation (kaiming_uniform with a = sqrt(5)).
+_conv_init = nn.initializers.variance_scaling(1.0 / 3.0, 'fan_in', 'uniform')
+
+
+def paper_config() -> dict[str, Any]:
+  """The original's tokenizer (vqgan.1024.224.config.yml, resolution overwritten to 224)."""
+  return dict(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, attn_resolutions=(16,),
+              resolution=224, z_channels=256, embed_dim=256, n_embed=1024, dropout=0.0,
+              beta=0.25, feature_input_scale='unit', token_input_scale='signed')
+
+
+def num_groups(channels: int) -> int:
+  """GroupNorm group count: taming's 32 when it divides `channels`, else gcd(32, channels)."""
+  return math.gcd(32, channels)
+
+
+def conv(features: int, kernel: int, name: str, dtype: Any, strides: int = 1,
+         padding: Any = 'SAME') -> nn.Conv:
+  """A taming Conv2d: NHWC, HWIO kernel with logical axes (None, None, conv_in, conv_out)."""
+  return nn.Conv(features, (kernel, kernel), strides=strides, padding=padding, dtype=dtype,
+                 kernel_init=nn.with_logical_partitioning(_conv_init, CONV_AXES),
+                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('conv_out',)),
+                 name=name)
+
+
+def group_norm(channels: int, name: str) -> nn.GroupNorm:
+  """taming's Normalize: GroupNorm(eps 1e-6, affine), computed in float32."""
+  return nn.GroupNorm(num_groups=num_groups(channels), epsilon=1e-6, dtype=jnp.float32,
+                      use_fast_variance=False,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)),
+                      name=name)
+
+
+def pad_right_bottom(x: jax.Array) -> jax.Array:
+  """Zero-pads [B, H, W, C] to [B, H + 1, W + 1, C] (taming's F.pad(x, (0, 1, 0, 1)))."""
+  return jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
+
+
+class ResnetBlock(nn.Module):
+  """norm1-swish-conv1-norm2-swish-dropout-conv2 plus a (1x1 nin_shortcut) residual."""
+  out_channels: int
+  dropout: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    """[B, H, W, C_in] -> [B, H, W, out_channels]."""
+    h = nn.swish(group_norm(x.shape[-1], 'norm1')(x))
+    h = conv(self.out_channels, 3, 'conv1', self.dtype)(h)
+    h = nn.swish(group_norm(self.out_channels, 'norm2')(h))
+    h = nn.Dropout(self.dropout, deterministic=not train)(h)
+    h = conv(self.out_channels, 3, 'conv2', self.dtype)(h)
+    if x.shape[-1] != self.out_channels:
+      x = conv(self.out_channels, 1, 'nin_shortcut', self.dtype)(x)
+    return x + h
+
+
+class AttnBlock(nn.Module):
+  """Single-head spatial self-attention with 1x1 q/k/v/proj_out convs and a residual."""
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[B, H, W, C] -> [B, H, W, C]."""
+    b, hh, ww, c = x.shape
+    h = group_norm(c, 'norm')(x)
+    q, k, v = (conv(c, 1, n, self.dtype)(h).reshape(b, hh * ww, c)  # [B, H*W, C]
+               for n in ('q', 'k', 'v'))
+    w = jnp.einsum('bqc,bkc->bqk', q, k) * (c ** -0.5)  # [B, H*W, H*W]
+    w = jax.nn.softmax(w.astype(jnp.float32), axis=-1).astype(v.dtype)
+    h = jnp.einsum('bqk,bkc->bqc', w, v).reshape(b, hh, ww, c)  # [B, H, W, C]
+    return x + conv(c, 1, 'proj_out', self.dtype)(h)
+
+
+class Downsample(nn.Module):
+  """Zero pad right/bottom + 3x3 stride-2 VALID conv: [B, H, W, C] -> [B, H/2, W/2, C]."""
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return conv(x.shape[-1], 3, 'conv', self.dtype, strides=2, padding='VALID')(pad_right_bottom(x))
+
+
+class Upsample(nn.Module):
+  """Nearest x2 + 3x3 conv: [B, H, W, C] -> [B, 2H, 2W, C]."""
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # [B, 2H, 2W, C]
+    return conv(x.shape[-1], 3, 'conv', self.dtype)(x)
+
+
+class Level(nn.Module):
+  """One resolution level (taming down[i] / up[i]): block_j (+ attn_j), then a resample."""
+  out_channels: int
+  num_blocks: int
+  use_attn: bool
+  resample: str  # 'downsample' | 'upsample' | 'none'
+  dropout: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    for j in range(self.num_blocks):
+      x = ResnetBlock(self.out_channels, self.dropout, self.dtype, name=f'block_{j}')(x, train)
+      if self.use_attn:
+        x = AttnBlock(self.dtype, name=f'attn_{j}')(x)
+    if self.resample == 'downsample':
+      x = Downsample(self.dtype, name='downsample')(x)
+    elif self.resample == 'upsample':
+      x = Upsample(self.dtype, name='upsample')(x)
+    return x
+
+
+class Mid(nn.Module):
+  """block_1 -> attn_1 -> block_2 at the lowest resolution."""
+  dropout: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    c = x.shape[-1]
+    x = ResnetBlock(c, self.dropout, self.dtype, name='block_1')(x, train)
+    x = AttnBlock(self.dtype, name='attn_1')(x)
+    return ResnetBlock(c, self.dropout, self.dtype, name='block_2')(x, train)
+
+
+class Encoder(nn.Module):
+  """[B, S, S, 3] (already scaled) -> [B, h, w, z_channels]."""
+  ch: int
+  ch_mult: tuple[int, ...]
+  num_res_blocks: int
+  attn_resolutions: tuple[int, ...]
+  resolution: int
+  z_channels: int
+  dropout: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    h = conv(self.ch, 3, 'conv_in', self.dtype)(x)
+    res = self.resolution
+    last = len(self.ch_mult) - 1
+    for i, mult in enumerate(self.ch_mult):
+      h = Level(self.ch * mult, self.num_res_blocks, res in self.attn_resolutions,
+                'downsample' if i != last else 'none', self.dropout, self.dtype,
+                name=f'down_{i}')(h, train)
+      if i != last:
+        res //= 2
+    h = Mid(self.dropout, self.dtype, name='mid')(h, train)
+    h = nn.swish(group_norm(h.shape[-1], 'norm_out')(h))
+    return conv(self.z_channels, 3, 'conv_out', self.dtype)(h)
+
+
+class Decoder(nn.Module):
+  """[B, h, w, z_channels] -> [B, S, S, 3] in the [-1, 1] space (unclipped)."""
+  ch: int
+  ch_mult: tuple[int, ...]
+  num_res_blocks: int
+  attn_resolutions: tuple[int, ...]
+  resolution: int
+  dropout: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, z: jax.Array, train: bool) -> jax.Array:
+    h = conv(self.ch * self.ch_mult[-1], 3, 'conv_in', self.dtype)(z)
+    h = Mid(self.dropout, self.dtype, name='mid')(h, train)
+    res = self.resolution // 2 ** (len(self.ch_mult) - 1)
+    for i in reversed(range(len(self.ch_mult))):
+      h = Level(self.ch * self.ch_mult[i], self.num_res_blocks + 1, res in self.attn_resolutions,
+                'upsample' if i != 0 else 'none', self.dropout, self.dtype,
+                name=f'up_{i}')(h, train)
+      if i != 0:
+        res *= 2
+    h = nn.swish(group_norm(h.shape[-1], 'norm_out')(h))
+    return conv(3, 3, 'conv_out', self.dtype)(h)
+
+
+def nearest_code(z: jax.Array, codebook: jax.Array) -> jax.Array:
+  """Index of the nearest code by squared L2: [..., D], [K, D] -> [...] int32."""
+  z = z.astype(jnp.float32)
+  codebook = codebook.astype(jnp.float32)
+  d = (jnp.sum(z ** 2, axis=-1, keepdims=True) + jnp.sum(codebook ** 2, axis=-1)
+       - 2.0 * jnp.einsum('...d,kd->...k', z, codebook))  # [..., K]
+  return jnp.argmin(d, axis=-1).astype(jnp.int32)
+
+
+class VectorQuantizer(nn.Module):
+  """Nearest-code quantiser with a straight-through estimator (taming VectorQuantizer2, legacy)."""
+  n_embed: int
+  embed_dim: int
+  beta: float
+
+  def setup(self):
+    # taming: embedding.weight.uniform_(-1 / K, 1 / K).
+    init = nn.initializers.uniform(2.0 / self.n_embed)
+    self.embedding = self.param(
+        'embedding', nn.with_logical_partitioning(
+            lambda rng, shape: init(rng, shape) - 1.0 / self.n_embed, ('codebook', None)),
+        (self.n_embed, self.embed_dim))
+
+  def __call__(self, z: jax.Array) -> dict[str, jax.Array]:
+    """Quantises z.
+
+    Args:
+      z: [B, h, w, D] pre-quantisation vectors (quant_conv output).
+
+    Returns:
+      dict(quantized [B, h, w, D] with straight-through gradients to z, indices [B, h, w] int32,
+      codebook_loss, commitment_loss, quant_loss (legacy: commitment + beta * codebook)).
+    """
+    z = z.astype(jnp.float32)
+    indices = nearest_code(z, self.embedding)  # [B, h, w]
+    z_q = self.embedding[indices]  # [B, h, w, D]
+    commitment = jnp.mean((jax.lax.stop_gradient(z_q) - z) ** 2)
+    codebook = jnp.mean((z_q - jax.lax.stop_gradient(z)) ** 2)
+    return dict(quantized=z + jax.lax.stop_gradient(z_q - z), indices=indices,
+                codebook_loss=codebook, commitment_loss=commitment,
+                quant_loss=commitment + self.beta * codebook)
+
+  def lookup(self, indices: jax.Array) -> jax.Array:
+    """[...] int -> [..., D] code vectors."""
+    return self.embedding[indices]
+
+
+def scale_input(x01: jax.Array, scale: str) -> jax.Array:
+  """'unit' keeps [0, 1]; 'signed' maps to [-1, 1] (2x - 1)."""
+  if scale == 'unit':
+    return x01
+  if scale == 'signed':
+    return 2.0 * x01 - 1.0
+  raise ValueError(f"input scale must be 'unit' or 'signed', got {scale!r}")
+
+
+class VQGAN(nn.Module):
+  """taming's VQModel (encoder, quant_conv, quantize, post_quant_conv, decoder).
+
+  Fields are exactly the keys of `config.tokenizer.model` (plus an optional compute `dtype` for the
+  convolutions; parameters, norms, attention softmax and the quantiser stay float32).
+  """
+  ch: int
+  ch_mult: tuple[int, ...]
+  num_res_blocks: int
+  attn_resolutions: tuple[int, ...]
+  resolution: int
+  z_channels: int
+  embed_dim: int
+  n_embed: int
+  dropout: float = 0.0
+  beta: float = 0.25
+  feature_input_scale: str = 'unit'
+  token_input_scale: str = 'signed'
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    ch_mult, attn = tuple(self.ch_mult), tuple(self.attn_resolutions)
+    self.encoder = Encoder(self.ch, ch_mult, self.num_res_blocks, attn, self.resolution,
+                           self.z_channels, self.dropout, self.dtype)
+    self.quant_conv = conv(self.embed_dim, 1, 'quant_conv', self.dtype)
+    self.quantize = VectorQuantizer(self.n_embed, self.embed_dim, self.beta)
+    self.post_quant_conv = conv(self.z_channels, 1, 'post_quant_conv', self.dtype)
+    self.decoder = Decoder(self.ch, ch_mult, self.num_res_blocks, attn, self.resolution,
+                           self.dropout, self.dtype)
+
+  @property
+  def grid(self) -> int:
+    """Token grid side h = w for `resolution`-sized inputs."""
+    return self.resolution // 2 ** (len(self.ch_mult) - 1)
+
+  def __call__(self, x01: jax.Array, train: bool = False) -> dict[str, jax.Array]:
+    """Encode (token scaling), quantise, decode.
+
+    Args:
+      x01: [B, S, S, 3] float images in [0, 1].
+      train: enables dropout (needs a 'dropout' rng when dropout > 0).
+
+    Returns:
+      dict(reconstruction [B, S, S, 3] in the [0, 1] scale (unclipped), z [B, h, w, D]
+      pre-quantisation vectors, indices [B, h*w] int32, codebook_loss, commitment_loss,
+      quant_loss).
+    """
+    z = self.quant_conv(self.encoder(scale_input(x01, self.token_input_scale), train))
+    q = self.quantize(z)
+    dec = self.decoder(self.post_quant_conv(q['quantized'].astype(self.dtype)), train)
+    b = x01.shape[0]
+    return dict(reconstruction=(dec.astype(jnp.float32) + 1.0) / 2.0, z=z.astype(jnp.float32),
+                indices=q['indices'].reshape(b, -1),  # [B, h*w]
+                codebook_loss=q['codebook_loss'], commitment_loss=q['commitment_loss'],
+                quant_loss=q['quant_loss'])
+
+  def encode_features(self, x01: jax.Array) -> jax.Array:
+    """Continuous encoder output before quant_conv: [B, S, S, 3] in [0, 1] -> [B, h, w, Z]."""
+    return self.encoder(scale_input(x01, self.feature_input_scale), False).astype(jnp.float32)
+
+  def encode_tokens(self, x01: jax.Array) -> jax.Array:
+    """Code indices: [B, S, S, 3] in [0, 1] -> [B, h*w] int32 (row-major over h, w)."""
+    z = self.quant_conv(self.encoder(scale_input(x01, self.token_input_scale), False))
+    return nearest_code(z, self.quantize.embedding).reshape(x01.shape[0], -1)  # [B, h*w]
+
+  def decode_tokens(self, ids: jax.Array) -> jax.Array:
+    """Images from code indices: [B, h*w] (square grid) -> [B, S, S, 3] clipped to [0, 1]."""
+    b, n = ids.shape
+    side = math.isqrt(n)
+    if side * side != n:
+      raise ValueError(f'decode_tokens needs a square token grid, got {n} tokens')
+    q = self.quantize.lookup(ids).reshape(b, side, side, self.embed_dim)  # [B, h, w, D]
+    dec = self.decoder(self.post_quant_conv(q.astype(self.dtype)), False)
+    return jnp.clip((dec.astype(jnp.float32) + 1.0) / 2.0, 0.0, 1.0)
