@@ -50,6 +50,7 @@ def atomic_path(path: str, mode_suffix: str = '') -> Iterator[str]:
   os.close(fd)
   try:
     yield tmp
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(FileNotFoundError):

@@ -90,11 +90,19 @@ def run_all(config, workdir: str) -> dict:
   results_path = os.path.join(workdir, 'results.json')
   if 'caption' not in config.stages:
     return {}
-  results = evaluate_caption(config, workdir, 'test', 'best')
+  restored = restore_for_eval(config, workdir, 'caption', 'best')
+  results = evaluate_caption(config, workdir, 'test', 'best', restored=restored)
   results['wall_clock_seconds_this_call'] = time.time() - t0
   errors.write_text_atomic(results_path, json.dumps(results, indent=1))
+  _, model, state, constants, _ = restored
+
+  def imagine_fn(batch):
+    frames = caption_task.imagine_frames(state.params, constants, config, model,
+                                         batch['before'], batch['after'])
+    return np.clip(np.rint(frames * 255), 0, 255).astype(np.uint8)
+
   from procap_jax import report
-  report.write_report(config, workdir, results)
+  report.write_report(config, workdir, results, imagine_fn=imagine_fn)
   print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
   return results
 
@@ -115,9 +123,10 @@ def restore_for_eval(config, workdir: str, stage: str, which: str):
   return task, model, state, constants, variables['step']
 
 
-def evaluate_caption(config, workdir: str, split: str, which: str) -> dict:
+def evaluate_caption(config, workdir: str, split: str, which: str, restored=None) -> dict:
   """Scores a saved caption checkpoint on `split`; writes predictions in COCO format."""
-  task, model, state, constants, step = restore_for_eval(config, workdir, 'caption', which)
+  task, model, state, constants, step = restored or restore_for_eval(config, workdir, 'caption',
+                                                                    which)
   t0 = time.time()
   metrics = task.evaluate(state, constants, config, model, split, workdir)
   results = {

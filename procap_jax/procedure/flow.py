@@ -23,7 +23,7 @@ Flow convention: `f_ab[y, x] = (dx, dy)` means pixel (x, y) of a shows the point
 """
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import cv2
 import numpy as np
@@ -38,7 +38,6 @@ MATCH_GAIN = 8.0               # a moved-object match must lower a pixel's error
 MATCH_MEAN_GAIN = 30.0         # ... and the mean error of its pixels by this
 MATCH_IOU = 0.5                # overlap of the matched pixels of a (shifted) and of b
 MATCH_AREA = 0.004             # smallest matched region, as a fraction of the image
-ASSIGN = 'solid'
 UNIQUE = 2.0                   # the second-best template position must be this much worse
 
 
@@ -144,7 +143,8 @@ class _Direction:
     """max over channels of |a - warp(b_matched, flow)|, [H, W]."""
     return _absmax(self.a, warp(self.b_matched, self.flow if flow is None else flow))
 
-  def explained(self, region: np.ndarray, d: np.ndarray, residual: np.ndarray):
+  def explained(self, region: np.ndarray, d: np.ndarray,
+                residual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pixels of `region` that the constant flow d explains.
 
     Returns (mask [H, W], gains): mask holds the pixels whose error d lowers by MATCH_GAIN and
@@ -183,8 +183,9 @@ def _changed_regions(residual: np.ndarray) -> list[tuple[tuple[int, int, int, in
   return out
 
 
-def _find_match(a: np.ndarray, b: np.ndarray, box, regions_b) -> np.ndarray | None:
-  """Displacement (dx, dy) of a's patch `box` (+2 px) to its best unique match near a region of b."""
+def _find_match(a: np.ndarray, b: np.ndarray, box: tuple[int, int, int, int],
+                regions_b: list) -> np.ndarray | None:
+  """Displacement (dx, dy) of a's patch `box` (+2 px) to its best unique match near b's regions."""
   h, w = a.shape[:2]
   x0, y0, x1, y1 = max(box[0] - 2, 0), max(box[1] - 2, 0), min(box[2] + 2, w), min(box[3] + 2, h)
   patch = np.ascontiguousarray(a[y0:y1, x0:x1])
@@ -193,8 +194,8 @@ def _find_match(a: np.ndarray, b: np.ndarray, box, regions_b) -> np.ndarray | No
     return None
   best = None
   for (u0, v0, u1, v1), _ in regions_b:
-    wx0, wy0, wx1, wy1 = max(u0 - pw + 1, 0), max(v0 - ph + 1, 0), min(u1 + pw - 1, w), min(
-        v1 + ph - 1, h)
+    wx0, wy0 = max(u0 - pw + 1, 0), max(v0 - ph + 1, 0)   # every placement touching the region
+    wx1, wy1 = min(u1 + pw - 1, w), min(v1 + ph - 1, h)
     if wx1 - wx0 < pw or wy1 - wy0 < ph:
       continue
     ssd = cv2.matchTemplate(np.ascontiguousarray(b[wy0:wy1, wx0:wx1]), patch, cv2.TM_SQDIFF)
@@ -215,7 +216,8 @@ def _find_match(a: np.ndarray, b: np.ndarray, box, regions_b) -> np.ndarray | No
   return None if best is None else best[1]
 
 
-def _match_moved_objects(d0: _Direction, d1: _Direction, hints=()) -> list[np.ndarray]:
+def _match_moved_objects(d0: _Direction, d1: _Direction,
+                         hints: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
   """Gives moved objects their (large) displacement in both flows, in place.
 
   Changed regions of a are template-matched near changed regions of b and vice versa; each
@@ -250,12 +252,8 @@ def _match_moved_objects(d0: _Direction, d1: _Direction, hints=()) -> list[np.nd
     moved = _shift(s0, d)
     if (moved & s1).sum() < MATCH_IOU * (moved | s1).sum():
       continue
-    if ASSIGN == 'region':
-      s0, s1 = region0, region1
-    elif ASSIGN == 'dilated':
-      s0, s1 = _dilate(_solid(s0)) & region0, _dilate(_solid(s1)) & region1
-    else:
-      s0, s1 = _solid(s0) & region0, _solid(s1) & region1
+    # The object moves whole: fill gaps and holes of the explained pixels and add a 1 px rim.
+    s0, s1 = _dilate(_solid(s0)) & region0, _dilate(_solid(s1)) & region1
     accepted.append((gains.sum(), d, s0, s1))
   kept = []
   for _, d, s0, s1 in sorted(accepted, key=lambda c: -c[0]):
@@ -270,7 +268,7 @@ def _match_moved_objects(d0: _Direction, d1: _Direction, hints=()) -> list[np.nd
 
 
 def _consistency(f_ab: np.ndarray, f_ba: np.ndarray) -> np.ndarray:
-  """1 where f_ab is forward-backward consistent with f_ba (Sundaram et al. 2010), else 0; [H, W]."""
+  """1 where f_ab is forward-backward consistent with f_ba (Sundaram et al. 2010); [H, W]."""
   back = warp(f_ba, f_ab)
   sq = lambda f: f[..., 0] ** 2 + f[..., 1] ** 2
   return (sq(f_ab + back) < 0.01 * (sq(f_ab) + sq(back)) + 0.5).astype(np.float32)
@@ -285,7 +283,7 @@ class Motion(NamedTuple):
   moves: list            # displacements (dx, dy) of the moved objects found, a -> b
 
 
-def estimate_motion(a: np.ndarray, b: np.ndarray, hints=()) -> Motion:
+def estimate_motion(a: np.ndarray, b: np.ndarray, hints: Sequence[np.ndarray] = ()) -> Motion:
   """Bidirectional flow and illumination change between two float32 RGB images [H, W, 3].
 
   Args:
@@ -346,7 +344,8 @@ def _nearest_fill(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
   return values[lut_y[labels], lut_x[labels]]
 
 
-def _project(f01, f10, c0, c1, t: float):
+def _project(f01: np.ndarray, f10: np.ndarray, c0: np.ndarray, c1: np.ndarray,
+             t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """Flows from time t to both endpoints, by splatting each endpoint's pixels to time t.
 
   Every pixel of frame 0 lands at x + t f01 and every pixel of frame 1 at x + (1 - t) f10; where
@@ -359,9 +358,12 @@ def _project(f01, f10, c0, c1, t: float):
   gx, gy = _grid(h, w)
   one = np.ones((h, w, 1), np.float32)
   values, targets, priorities = [], [], []
-  for f, c, s, v in ((f01, c0, t, np.concatenate([-t * f01, (1 - t) * f01, one, c0[..., None]], -1)),
-                     (f10, c1, 1 - t, np.concatenate([t * f10, -(1 - t) * f10, c1[..., None], one], -1))):
-    tx, ty = np.rint(gx + s * f[..., 0]).astype(np.int64), np.rint(gy + s * f[..., 1]).astype(np.int64)
+  # Per source pixel: (ft0 [2], ft1 [2], v0, v1) it carries to its target at time t.
+  carried0 = np.concatenate([-t * f01, (1 - t) * f01, one, c0[..., None]], -1)   # [H, W, 6]
+  carried1 = np.concatenate([t * f10, -(1 - t) * f10, c1[..., None], one], -1)
+  for f, c, s, v in ((f01, c0, t, carried0), (f10, c1, 1 - t, carried1)):
+    tx = np.rint(gx + s * f[..., 0]).astype(np.int64)
+    ty = np.rint(gy + s * f[..., 1]).astype(np.int64)
     inside = (tx >= 0) & (tx < w) & (ty >= 0) & (ty < h)
     values.append(v[inside])
     targets.append((ty * w + tx)[inside])

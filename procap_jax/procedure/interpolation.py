@@ -58,8 +58,9 @@ def to_rgb(image: np.ndarray) -> np.ndarray:
     return a.astype(np.uint8) * 255
   if not np.issubdtype(a.dtype, np.number) or np.iscomplexobj(a):
     raise ValueError(f'unsupported image dtype {a.dtype}')
+  floating = np.issubdtype(a.dtype, np.floating)
   a = np.nan_to_num(a.astype(np.float64))
-  if np.issubdtype(image.dtype, np.floating) and a.min() >= 0.0 and a.max() <= 1.0:
+  if floating and a.min() >= 0.0 and a.max() <= 1.0:
     a = a * 255.0
   return np.clip(np.rint(a), 0, 255).astype(np.uint8)
 

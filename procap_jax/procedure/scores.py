@@ -199,7 +199,8 @@ def load_scores(path: str, style: str = 'auto') -> dict[str, tuple[np.ndarray, n
     with open(path, encoding='utf-8') as f:
       data = json.load(f)
   except (OSError, UnicodeDecodeError, ValueError) as e:
-    raise errors.UserError(f'scores file {path} is not readable JSON ({e}); regenerate it') from None
+    raise errors.UserError(f'scores file {path} is not readable JSON ({e}); '
+                           'regenerate it') from None
   if not isinstance(data, dict) or not data:
     raise errors.UserError(f'scores file {path} is not a non-empty JSON object keyed by pair; '
                            'regenerate it')
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog='python -m procap_jax.procedure.scores',
                                    description=__doc__.split('\n')[0])
   parser.add_argument('--data_dir', required=True, help='TFDS data directory')
-  parser.add_argument('--dataset', required=True, help='TFDS name/config, e.g. synthetic_change/tiny')
+  parser.add_argument('--dataset', required=True,
+                      help='TFDS name/config, e.g. synthetic_change/tiny')
   parser.add_argument('--split', default='train')
   parser.add_argument('--source', default='frames', choices=('frames', 'oracle', 'crossfade'))
   parser.add_argument('--feature', default='stats', choices=sorted(FEATURES))
