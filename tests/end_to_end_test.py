@@ -85,3 +85,61 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path):
   a, b = _train_losses(straight, 'tokenizer'), _train_losses(resumed, 'tokenizer')
   assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
   np.testing.assert_allclose([l for _, l in a], [l for _, l in b], rtol=1e-5)
+
+
+def _write_png(path, arr):
+  from PIL import Image
+  Image.fromarray(arr).save(path)
+
+
+def test_caption_command_on_user_pairs(finished_run, tmp_path, capsys):
+  from procap_jax import caption
+  _, workdir, _ = finished_run
+  rng = np.random.default_rng(0)
+  (tmp_path / 'A').mkdir()
+  (tmp_path / 'B').mkdir()
+  for name, size in (('x.png', 50), ('y.jpg', 123)):
+    img = rng.integers(0, 255, (size, size + 7, 3), dtype=np.uint8)
+    _write_png(tmp_path / 'A' / name, img)
+    _write_png(tmp_path / 'B' / name, img[..., 0])  # grayscale after image, other size
+  out = caption.main(['--workdir', workdir, str(tmp_path / 'A' / 'x.png'),
+                      str(tmp_path / 'B' / 'y.jpg')])
+  assert len(out) == 1 and isinstance(out[0], str)
+  both = caption.main(['--workdir', workdir, '--before_dir', str(tmp_path / 'A'),
+                       '--after_dir', str(tmp_path / 'B'), '--out', str(tmp_path / 'c.json')])
+  assert len(both) == 2
+  (tmp_path / 'pairs.csv').write_text('before,after\nA/x.png,B/x.png\nA/y.jpg,B/y.jpg\n')
+  assert caption.main(['--workdir', workdir, '--csv', str(tmp_path / 'pairs.csv')]) == both
+  printed = capsys.readouterr().out.strip().splitlines()
+  assert len(printed) == 5 and all(len(l.split('\t')) == 3 for l in printed)
+
+
+@pytest.mark.parametrize('argv_tail,match', [
+    (['missing.png', 'other.png'], 'does not exist'),
+    (['only_one.png'], 'exactly two images'),
+])
+def test_caption_command_bad_input(finished_run, tmp_path, capsys, argv_tail, match):
+  from procap_jax import caption
+  _, workdir, _ = finished_run
+  with pytest.raises(SystemExit) as e:
+    caption.main(['--workdir', workdir] + [str(tmp_path / a) for a in argv_tail])
+  assert e.value.code == 2
+  assert match in capsys.readouterr().err
+
+
+def test_caption_command_corrupt_image(finished_run, tmp_path, capsys):
+  from procap_jax import caption
+  _, workdir, _ = finished_run
+  (tmp_path / 'bad.png').write_bytes(b'\x89PNG\r\n\x1a\n' + b'garbage' * 10)
+  _write_png(tmp_path / 'ok.png', np.zeros((8, 8, 3), np.uint8))
+  with pytest.raises(SystemExit) as e:
+    caption.main(['--workdir', workdir, str(tmp_path / 'ok.png'), str(tmp_path / 'bad.png')])
+  assert e.value.code == 2
+  assert 'bad.png' in capsys.readouterr().err
+
+
+def test_caption_command_needs_a_run(tmp_path, capsys):
+  from procap_jax import caption
+  with pytest.raises(SystemExit):
+    caption.main(['--workdir', str(tmp_path), 'a.png', 'b.png'])
+  assert 'not a procap-jax run' in capsys.readouterr().err

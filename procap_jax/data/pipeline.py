@@ -139,7 +139,8 @@ def _record_info(record: dict) -> dict:
           'captions': [_text(c) for c in record['captions']]}
 
 
-def _resize(img: np.ndarray, size: int) -> np.ndarray:
+def resize(img: np.ndarray, size: int) -> np.ndarray:
+  """Any HxW(x1|3|4) uint8 image -> RGB [size, size, 3] (area downsampling, bilinear up)."""
   img = np.asarray(img)
   if img.ndim == 2:
     img = np.stack([img] * 3, -1)
@@ -175,8 +176,8 @@ class _Transform:
     return frames
 
   def __call__(self, record: dict, index: int, rng: np.random.Generator) -> dict:
-    before = _resize(record['before'], self.size)
-    after = _resize(record['after'], self.size)
+    before = resize(record['before'], self.size)
+    after = resize(record['after'], self.size)
     frames = self.frames(record, before, after)
     pair_id = _text(record['pair_id'])
     scores = None
@@ -186,7 +187,7 @@ class _Transform:
     d_start, d_end = scores if scores is not None else (None, None)
     idx = sampling.sample_keyframes(d_start, d_end, self.k, rng, strategy=strategy,
                                     num_frames=len(frames))
-    keyframes = np.stack([before] + [_resize(frames[i], self.size) for i in idx[1:-1]] + [after])
+    keyframes = np.stack([before] + [resize(frames[i], self.size) for i in idx[1:-1]] + [after])
     captions = [_text(c) for c in record['captions']]
     captions = [c for c in captions if c.strip()] or ['']
     caption = captions[int(rng.integers(len(captions)))] if self.train else captions[0]

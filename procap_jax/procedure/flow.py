@@ -7,7 +7,8 @@ Dimensions: H x W image size, 2 flow components (dx, dy), 3 colour channels.
      transform fitted with RANSAC to the DIS flow of textured unchanged pixels (one transform
      for both directions, so the two camera flows agree); DIS is kept only where it explains the
      pixels clearly better than the camera motion (flat floors give DIS noise);
-  2. a per-channel gain and offset between the two illuminations;
+  2. a per-channel gain and offset between the two illuminations (to compare pixels across a
+     light change);
   3. moved objects: small objects that move far defeat coarse-to-fine flow, so changed regions
      (large residual after 1-2) are template-matched against changed regions of the other
      image; a displacement is kept when it explains both sides and the explained pixels of a,
@@ -15,7 +16,8 @@ Dimensions: H x W image size, 2 flow components (dx, dy), 3 colour channels.
   4. forward-backward consistency: unmatched inconsistent flow goes back to the camera motion.
 `synthesize(a, b, t, motion)` projects both flows to time t (splatting, moving and consistent
 pixels in front), warps both endpoints backwards with cv2.remap and fuses them with
-occlusion-aware weights. All tunables are module constants below; docs/procedure.md has the
+occlusion-aware weights (an occluded sample is replaced by the other endpoint's, shifted by the
+smooth local light change). All tunables are module constants below; docs/procedure.md has the
 measurements behind them.
 
 Flow convention: `f_ab[y, x] = (dx, dy)` means pixel (x, y) of a shows the point at
@@ -136,8 +138,7 @@ class _Direction:
       gain = np.clip(gain, 0.5, 2.0)
       err = _absmax(y, x * gain + my - gain * mx)
       keep = err < max(3.0 * float(np.median(err)), 4.0)
-    self.colors = np.stack([gain, my - gain * mx]).astype(np.float32)  # a ~ gain * b + offset
-    self.b_matched = self.b * self.colors[0] + self.colors[1]
+    self.b_matched = (self.b * gain + (my - gain * mx)).astype(np.float32)  # ~ a
 
   def residual(self, flow: np.ndarray | None = None) -> np.ndarray:
     """max over channels of |a - warp(b_matched, flow)|, [H, W]."""
@@ -276,11 +277,9 @@ def _consistency(f_ab: np.ndarray, f_ba: np.ndarray) -> np.ndarray:
 
 class Motion(NamedTuple):
   """What happens between two frames a and b."""
-  f_ab: np.ndarray       # float32 [H, W, 2], flow a -> b
-  f_ba: np.ndarray       # float32 [H, W, 2], flow b -> a
-  colors_ab: np.ndarray  # float32 [2, 3]: b's colour of a's pixel ~ gain * a + offset (rows)
-  colors_ba: np.ndarray  # float32 [2, 3]: the same from b to a
-  moves: list            # displacements (dx, dy) of the moved objects found, a -> b
+  f_ab: np.ndarray   # float32 [H, W, 2], flow a -> b
+  f_ba: np.ndarray   # float32 [H, W, 2], flow b -> a
+  moves: list        # displacements (dx, dy) [2] of the moved objects found, a -> b
 
 
 def estimate_motion(a: np.ndarray, b: np.ndarray, hints: Sequence[np.ndarray] = ()) -> Motion:
@@ -319,7 +318,7 @@ def estimate_motion(a: np.ndarray, b: np.ndarray, hints: Sequence[np.ndarray] = 
       p.flow[m] = p.camera[m]
     if not any(m.any() for m in bad):
       break
-  return Motion(_resize_flow(d0.flow, h, w), _resize_flow(d1.flow, h, w), d1.colors, d0.colors,
+  return Motion(_resize_flow(d0.flow, h, w), _resize_flow(d1.flow, h, w),
                 [d / scale for d in moves])
 
 
@@ -383,15 +382,20 @@ def synthesize(a: np.ndarray, b: np.ndarray, t: float, motion: Motion) -> np.nda
 
   Both endpoints are backward-warped to t and blended with weights (1 - t, t). Where one
   sample is not visible (forward-backward inconsistent: occluded, or a flow failure), the other
-  endpoint's sample stands in for it, recoloured to the missing endpoint's illumination by the
-  fitted per-channel gain and offset; where neither is visible, the two are blended as they are.
+  endpoint's sample stands in for it, shifted by the local colour difference between the two
+  warps (a smooth field fitted where both are visible: the light change); where neither is
+  visible, the two are blended as they are.
   """
   f_ab, f_ba = motion.f_ab, motion.f_ba
   ft0, ft1, v0, v1 = _project(f_ab, f_ba, _consistency(f_ab, f_ba), _consistency(f_ba, f_ab), t)
   neither = (v0 + v1) < 0.5
   v0, v1 = np.where(neither, 1.0, v0)[..., None], np.where(neither, 1.0, v1)[..., None]
   from_a, from_b = warp(a, ft0), warp(b, ft1)
-  (gain_ab, offset_ab), (gain_ba, offset_ba) = motion.colors_ab, motion.colors_ba
-  from_a, from_b = (v0 * from_a + (1 - v0) * (gain_ba * from_b + offset_ba),
-                    v1 * from_b + (1 - v1) * (gain_ab * from_a + offset_ab))
+  both = v0 * v1
+  sigma = 0.1 * max(a.shape[:2])
+  num = cv2.GaussianBlur((from_b - from_a) * both, (0, 0), sigma)
+  den = cv2.GaussianBlur(both[..., 0], (0, 0), sigma)[..., None]
+  light = np.where(den > 1e-3, num / np.maximum(den, 1e-3), 0.0)   # b - a, smooth  [H, W, 3]
+  from_a, from_b = (v0 * from_a + (1 - v0) * (from_b - light),
+                    v1 * from_b + (1 - v1) * (from_a + light))
   return (1 - t) * from_a + t * from_b

@@ -1,0 +1,245 @@
+"""Tests for models/vqgan.py: shapes, the paper configuration's parameter tree, the quantiser, the
+straight-through gradient, the asymmetric downsample padding and the input-scaling switches."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import synthetic
+from procap_jax.models import vqgan
+
+TINY = dict(ch=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), resolution=16,
+            z_channels=8, embed_dim=4, n_embed=7, dropout=0.0, beta=0.25,
+            feature_input_scale='unit', token_input_scale='signed')
+
+
+def _images(b: int, s: int, seed: int = 0) -> jax.Array:
+  return jax.random.uniform(jax.random.key(seed), (b, s, s, 3))
+
+
+def _variables(model: vqgan.VQGAN, side: int, seed: int = 0) -> dict:
+  """Random parameters with the model's tree, filled with numpy (eager flax init is slow on the
+  shared CPU): kernels and codes ~ N(0, 1 / fan_in), norm scales 1, biases 0."""
+  rng = np.random.default_rng(seed)
+  abstract = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, side, side, 3), jnp.float32))
+
+  def fill(path, leaf):
+    name = path[-1].key
+    if name == 'scale':
+      return jnp.ones(leaf.shape)
+    if name == 'bias':
+      return jnp.zeros(leaf.shape)
+    fan_in = int(np.prod(leaf.shape[:-1])) if name == 'kernel' else leaf.shape[-1]
+    return jnp.asarray(rng.normal(size=leaf.shape) / np.sqrt(fan_in), jnp.float32)
+
+  return {'params': jax.tree_util.tree_map_with_path(fill, nn.meta.unbox(abstract['params']))}
+
+
+def _param_shapes(params) -> dict[str, tuple]:
+  flat = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params))
+  return {'/'.join(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def test_codebook_init_is_taming_uniform():
+  q = vqgan.VectorQuantizer(n_embed=7, embed_dim=4, beta=0.25)
+  params = q.init(jax.random.key(0), jnp.zeros((1, 1, 1, 4)))['params']
+  codebook = nn.meta.unbox(params)['embedding']
+  assert codebook.shape == (7, 4) and codebook.dtype == jnp.float32
+  assert float(jnp.abs(codebook).max()) <= 1.0 / 7  # uniform(-1/K, 1/K)
+  assert float(codebook.min()) < 0.0 < float(codebook.max())
+
+
+def test_tiny_preset_runs_with_contract_shapes():
+  config = synthetic.get_config('tiny')
+  model = vqgan.VQGAN(**config.tokenizer.model)
+  s, grid = config.tokenizer.model.resolution, model.grid
+  x = _images(3, s)
+  variables = _variables(model, s)
+  out = model.apply(variables, x)
+  assert out['reconstruction'].shape == (3, s, s, 3)
+  assert out['indices'].shape == (3, grid * grid) and out['indices'].dtype == jnp.int32
+  assert out['z'].shape == (3, grid, grid, config.tokenizer.model.embed_dim)
+  assert np.isfinite(float(out['codebook_loss'])) and np.isfinite(float(out['commitment_loss']))
+  feats = model.apply(variables, x, method='encode_features')
+  assert feats.shape == (3, grid, grid, config.tokenizer.model.z_channels)
+  tokens = model.apply(variables, x, method='encode_tokens')
+  np.testing.assert_array_equal(tokens, out['indices'])
+  images = model.apply(variables, tokens, method='decode_tokens')
+  assert images.shape == (3, s, s, 3)
+  assert float(images.min()) >= 0.0 and float(images.max()) <= 1.0
+
+
+def test_default_preset_shapes():
+  config = synthetic.get_config('default')
+  model = vqgan.VQGAN(**config.tokenizer.model)
+  s = config.tokenizer.model.resolution
+  x = jax.ShapeDtypeStruct((5, s, s, 3), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  out = jax.eval_shape(model.apply, variables, x)
+  grid = config.pretrain.model.grid
+  assert out['indices'].shape == (5, grid[0] * grid[1])
+  feats = jax.eval_shape(lambda v, x: model.apply(v, x, method='encode_features'), variables, x)
+  assert feats.shape == (5,) + tuple(grid) + (config.pretrain.model.feature_dim,)
+  assert config.tokenizer.model.n_embed == config.pretrain.model.codebook_size
+
+
+def test_paper_configuration_matches_taming_layout():
+  model = vqgan.VQGAN(**vqgan.paper_config())
+  x = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  out = jax.eval_shape(model.apply, variables, x)
+  assert out['indices'].shape == (2, 196)
+  assert out['reconstruction'].shape == (2, 224, 224, 3)
+  feats = jax.eval_shape(lambda v, x: model.apply(v, x, method='encode_features'), variables, x)
+  assert feats.shape == (2, 14, 14, 256)
+  shapes = _param_shapes(variables['params'])
+  expected = {
+      'encoder/conv_in/kernel': (3, 3, 3, 128),
+      'encoder/down_0/block_0/norm1/scale': (128,),
+      'encoder/down_0/downsample/conv/kernel': (3, 3, 128, 128),
+      'encoder/down_2/block_0/nin_shortcut/kernel': (1, 1, 128, 256),
+      'encoder/down_4/block_1/conv2/kernel': (3, 3, 512, 512),
+      'encoder/mid/attn_1/q/kernel': (1, 1, 512, 512),
+      'encoder/mid/attn_1/proj_out/bias': (512,),
+      'encoder/conv_out/kernel': (3, 3, 512, 256),
+      'quant_conv/kernel': (1, 1, 256, 256),
+      'quantize/embedding': (1024, 256),
+      'post_quant_conv/kernel': (1, 1, 256, 256),
+      'decoder/conv_in/kernel': (3, 3, 256, 512),
+      'decoder/up_4/block_2/conv1/kernel': (3, 3, 512, 512),
+      'decoder/up_1/upsample/conv/kernel': (3, 3, 128, 128),
+      'decoder/up_0/block_0/conv1/kernel': (3, 3, 128, 128),
+      'decoder/norm_out/scale': (128,),
+      'decoder/conv_out/kernel': (3, 3, 128, 3),
+  }
+  for name, shape in expected.items():
+    assert shapes[name] == shape, name
+  # Levels run 224-112-56-28-14: attn_resolutions=(16,) never fires, only the mid blocks attend.
+  assert not [k for k in shapes if '/attn_' in k and '/mid/' not in k]
+  assert not [k for k in shapes if 'down_4/downsample' in k or 'up_0/upsample' in k]
+  assert not [k for k in shapes if 'down_0/block_0/nin_shortcut' in k]
+  # The count equals taming's VQModel (encoder, decoder, quantize, quant convs) at this config.
+  assert sum(int(np.prod(s)) for s in shapes.values()) == 66_883_459
+
+
+def test_logical_axis_names():
+  model = vqgan.VQGAN(**TINY)
+  params = jax.eval_shape(model.init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 16, 16, 3), jnp.float32))['params']
+  assert params['encoder']['conv_in']['kernel'].names == (None, None, 'conv_in', 'conv_out')
+  assert params['quant_conv']['kernel'].names == (None, None, 'conv_in', 'conv_out')
+  assert params['quantize']['embedding'].names == ('codebook', None)
+  assert params['encoder']['norm_out']['scale'].names == ('norm',)
+  assert params['decoder']['mid']['attn_1']['norm']['bias'].names == ('norm',)
+
+
+def test_attention_at_listed_resolutions_only():
+  abstract = jax.eval_shape(vqgan.VQGAN(**TINY).init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, 16, 16, 3), jnp.float32))
+  shapes = _param_shapes(abstract['params'])
+  # resolution 16, ch_mult (1, 2): level 0 at 16 px, level 1 at 8 px (in attn_resolutions).
+  assert 'encoder/down_1/attn_0/q/kernel' in shapes
+  assert not [k for k in shapes if k.startswith('encoder/down_0/attn')]
+  assert {'decoder/up_1/attn_0/v/kernel', 'decoder/up_1/attn_1/v/kernel'} <= set(shapes)
+  assert not [k for k in shapes if k.startswith('decoder/up_0/attn')]
+
+
+@pytest.mark.parametrize('channels, groups', [(8, 8), (16, 16), (32, 32), (48, 16), (128, 32),
+                                              (512, 32)])
+def test_group_count(channels, groups):
+  assert vqgan.num_groups(channels) == groups
+
+
+def test_nearest_code_on_hand_made_codebook():
+  codebook = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0], [-3.0, -3.0]])
+  z = jnp.array([[0.1, -0.2], [0.9, 0.4], [0.2, 1.2], [-1.0, -2.5], [0.6, 0.0]])
+  np.testing.assert_array_equal(vqgan.nearest_code(z, codebook), [0, 1, 2, 3, 1])
+
+  q = vqgan.VectorQuantizer(n_embed=4, embed_dim=2, beta=0.25)
+  out = q.apply({'params': {'embedding': codebook}}, z.reshape(1, 1, 5, 2))
+  np.testing.assert_array_equal(out['indices'].reshape(-1), [0, 1, 2, 3, 1])
+  np.testing.assert_allclose(out['quantized'].reshape(5, 2), codebook[jnp.array([0, 1, 2, 3, 1])],
+                             atol=1e-6)
+  mse = np.mean((np.asarray(codebook)[[0, 1, 2, 3, 1]] - np.asarray(z)) ** 2)
+  np.testing.assert_allclose(out['commitment_loss'], mse, rtol=1e-6)
+  np.testing.assert_allclose(out['codebook_loss'], mse, rtol=1e-6)
+  np.testing.assert_allclose(out['quant_loss'], 1.25 * mse, rtol=1e-6)  # legacy weighting
+
+
+def test_straight_through_gradient_is_identity():
+  codebook = jax.random.normal(jax.random.key(1), (5, 3))
+  q = vqgan.VectorQuantizer(n_embed=5, embed_dim=3, beta=0.25)
+  z = jax.random.normal(jax.random.key(2), (1, 2, 2, 3))
+  jac = jax.jacobian(lambda z: q.apply({'params': {'embedding': codebook}}, z)['quantized'])(z)
+  np.testing.assert_allclose(jac.reshape(12, 12), np.eye(12), atol=1e-6)
+  # The legacy losses route gradients: commitment to z only, codebook loss to the codes only.
+  grads = jax.grad(lambda cb, z: q.apply({'params': {'embedding': cb}}, z)['commitment_loss'],
+                   argnums=(0, 1))(codebook, z)
+  assert float(jnp.abs(grads[0]).max()) == 0.0 and float(jnp.abs(grads[1]).max()) > 0.0
+  grads = jax.grad(lambda cb, z: q.apply({'params': {'embedding': cb}}, z)['codebook_loss'],
+                   argnums=(0, 1))(codebook, z)
+  assert float(jnp.abs(grads[0]).max()) > 0.0 and float(jnp.abs(grads[1]).max()) == 0.0
+
+
+def test_downsample_asymmetric_padding_by_hand():
+  x = jnp.arange(16, dtype=jnp.float32).reshape(1, 4, 4, 1)  # x[i, j] = 4 i + j
+  kernel = jnp.zeros((3, 3, 1, 1)).at[0, 0].set(1.0).at[2, 2].set(2.0)
+  params = {'conv': {'kernel': kernel, 'bias': jnp.zeros((1,))}}
+  y = vqgan.Downsample().apply({'params': params}, x)
+  # Zero pad only right/bottom to 5x5, VALID stride 2: out[p, q] = x[2p, 2q] + 2 xpad[2p+2, 2q+2].
+  # out[0,0] = 0 + 2*10, out[0,1] = 2 + 2*pad, out[1,0] = 8 + 2*pad, out[1,1] = 10 + 2*pad.
+  np.testing.assert_allclose(y[0, :, :, 0], [[20.0, 2.0], [8.0, 10.0]])
+  # A symmetric pad of one would give a different top-left value (x[1,1] term: 2*5 = 10).
+  assert float(y[0, 0, 0, 0]) != 10.0
+
+
+def test_upsample_is_nearest_then_conv():
+  x = jnp.arange(4, dtype=jnp.float32).reshape(1, 2, 2, 1)
+  identity = jnp.zeros((3, 3, 1, 1)).at[1, 1].set(1.0)
+  y = vqgan.Upsample().apply({'params': {'conv': {'kernel': identity, 'bias': jnp.zeros(1)}}}, x)
+  np.testing.assert_allclose(y[0, :, :, 0], [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3],
+                                             [2, 2, 3, 3]])
+
+
+def test_input_scaling_switches():
+  x = _images(2, 16, seed=3)
+  unit = vqgan.VQGAN(**TINY)
+  variables = _variables(unit, 16)
+  signed = vqgan.VQGAN(**dict(TINY, feature_input_scale='signed'))
+  f_unit = unit.apply(variables, x, method='encode_features')
+  f_signed = signed.apply(variables, x, method='encode_features')
+  np.testing.assert_allclose(f_signed, unit.apply(variables, 2 * x - 1, method='encode_features'),
+                             atol=1e-5)
+  assert float(jnp.abs(f_unit - f_signed).max()) > 1e-3
+  # Tokens: 'signed' (default) encodes 2x - 1, i.e. 'unit' tokens of 2x - 1.
+  unit_tokens = vqgan.VQGAN(**dict(TINY, token_input_scale='unit'))
+  np.testing.assert_array_equal(unit.apply(variables, x, method='encode_tokens'),
+                                unit_tokens.apply(variables, 2 * x - 1, method='encode_tokens'))
+  with pytest.raises(ValueError, match='input scale'):
+    vqgan.VQGAN(**dict(TINY, feature_input_scale='half')).apply(variables, x,
+                                                                 method='encode_features')
+
+
+def test_bfloat16_compute_dtype_runs():
+  x = _images(2, 16)
+  model = vqgan.VQGAN(**TINY)
+  model16 = vqgan.VQGAN(**TINY, dtype=jnp.bfloat16)
+  variables = _variables(model, 16)
+  out16 = model16.apply(variables, x)
+  assert out16['reconstruction'].dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(out16['reconstruction'])))
+  # Continuous features agree to bf16 precision (codes may flip near ties, so compare features).
+  f32 = model.apply(variables, x, method='encode_features')
+  f16 = model16.apply(variables, x, method='encode_features')
+  assert f16.dtype == jnp.float32
+  assert float(jnp.abs(f16 - f32).max()) < 0.05 * float(jnp.abs(f32).max())
+
+
+def test_decode_tokens_rejects_non_square_grid():
+  model = vqgan.VQGAN(**TINY)
+  variables = _variables(model, 16)
+  with pytest.raises(ValueError, match='square'):
+    model.apply(variables, jnp.zeros((1, 15), jnp.int32), method='decode_tokens')
