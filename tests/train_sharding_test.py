@@ -1,0 +1,69 @@
+"""Every stage's jitted train step gives the same results on any (data, model) mesh."""
+
+import jax
+import numpy as np
+import pytest
+
+from bench import train_step as bench_step
+from procap_jax import sharding
+from procap_jax import stages
+from procap_jax import train
+
+MESHES = [(1, 1), (8, 1), (4, 2), (2, 4)]
+
+
+def _two_steps(config, stage, mesh_shape):
+  n = mesh_shape[0] * mesh_shape[1]
+  mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
+  task = stages.TASKS[stage]
+  model = task.build_model(config)
+  tx = task.make_optimizer(config, 100)
+  batch = bench_step.fake_batch(config, 8, seed=1)
+  state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
+  constants = None if stage == 'tokenizer' else {'tokenizer': _TOKENIZER[0]}
+  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
+  constants = jax.device_put(constants, const_sh)
+  batch_sh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
+  step = train.make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)
+  losses = []
+  for _ in range(2):
+    state, metrics = step(state, sharding.shard_batch(batch, mesh), constants, jax.random.key(7))
+    losses.append(float(metrics['loss']))
+  leaf = jax.tree.leaves(state.params)[0]
+  return losses, np.asarray(jax.device_get(leaf)), state
+
+
+_TOKENIZER = []
+
+
+@pytest.fixture(scope='module')
+def config():
+  from configs import synthetic
+  cfg = synthetic.get_config('tiny')
+  cfg.pretrain.model.text_vocab_size = 40
+  cfg.caption.model.vocab_size = 40
+  cfg.caption.init_from_pretrain = False
+  if not _TOKENIZER:
+    _TOKENIZER.append(bench_step.random_tokenizer(cfg))
+  return cfg
+
+
+@pytest.mark.parametrize('stage,meshes', [
+    ('pretrain', MESHES),
+    ('caption', [(1, 1), (4, 2)]),
+    ('tokenizer', [(1, 1), (2, 4)]),
+])
+def test_step_equal_on_meshes(config, stage, meshes):
+  ref_losses, ref_leaf, _ = _two_steps(config, stage, meshes[0])
+  for shape in meshes[1:]:
+    losses, leaf, _ = _two_steps(config, stage, shape)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-4, err_msg=str(shape))
+    np.testing.assert_allclose(leaf, ref_leaf, rtol=2e-3, atol=2e-5, err_msg=str(shape))
+
+
+def test_parameters_are_sharded_over_model_axis(config):
+  _, _, state = _two_steps(config, 'pretrain', (2, 4))
+  specs = {str(x.sharding.spec) for x in jax.tree.leaves(state.params)}
+  assert any('model' in s for s in specs), specs
+  mu = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, 'ndim', 0) == 2]
+  assert any('model' in str(x.sharding.spec) for x in mu)
