@@ -48,7 +48,7 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
   t = ml_collections.ConfigDict()
   small = preset in ('tiny', 'quick')
   t.model = ml_collections.ConfigDict(dict(
-      ch=16 if small else 32,
+      ch=16,                           # ch=32 costs ~3x per step at 64 px
       ch_mult=(1, 2, 4) if small else (1, 2, 2, 4),
       num_res_blocks=1,
       attn_resolutions=(),
@@ -64,7 +64,7 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
   t.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 1500}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
-      lr=2e-3 if small else 1e-3,
+      lr=2e-3 if small else 3e-3,      # default: 3e-3 beat 1e-3 at 300 steps (23.3 vs 22.7 dB)
       warmup_steps=10 if preset == 'tiny' else 100,
       clip=1.0,                        # global-norm gradient clipping (codebook excluded)
       frames_per_example=1,            # random keyframes per example per step (0 = all T)

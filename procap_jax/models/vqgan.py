@@ -50,6 +50,8 @@ Checkpoint conversion from taming (PyTorch state_dict key -> flax params path):
   GroupNorm weight/bias -> scale/bias. Every conv weight (including the 1x1 q/k/v/proj_out,
   nin_shortcut, quant_conv, post_quant_conv) is OIHW in PyTorch and HWIO here:
   kernel = weight.transpose(2, 3, 1, 0). Biases copy unchanged. Loss/discriminator keys are ignored.
+  Checked once against taming's own modules with weights converted this way: same parameter tree
+  and count (66,883,459 at paper_config()), same codes, features and reconstructions (to 1e-5).
 """
 
 import math

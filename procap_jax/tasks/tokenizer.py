@@ -3,13 +3,17 @@
 Dimensions: B batch, T keyframes per example, F frames per step (B * frames_per_example), S image
 side, N = h*w tokens per frame, D code width (embed_dim), K codebook size.
 
+Frames: each step takes `frames_per_example` random distinct keyframes of every example
+(before, after and imagined frames alike; 0 = all T), so F = B * frames_per_example.
+
 Loss (per step, `config.tokenizer.train` = tc):
   l1_weight * L1 + l2_weight * L2        reconstruction, computed in the model's [-1, 1] space
                                          (taming's space; both are 2x / 4x their [0, 1] values)
   + codebook_weight * beta * commitment  ||sg(code) - z||^2 pulls the encoder to its codes
-  + gan_weight * hinge generator loss    only when gan_weight > 0 (see below)
-The codebook itself gets no gradient: it follows exponential moving averages (k-means style,
-VQ-VAE-2) of the encoder outputs assigned to each code, and dead codes are restarted:
+  + gan terms                            only when gan_weight > 0 (see below)
+The codebook itself gets no gradient (so taming's legacy question of which term carries beta does
+not arise): it follows exponential moving averages (k-means style, as VQ-VAE-2) of the encoder
+outputs assigned to each code, and dead codes are restarted:
 
   model_state = {step, cluster_size [K] (EMA of per-step code usage counts), embed_sum [K, D]}
   cluster_size <- decay * cluster_size + (1 - decay) * counts; embed_sum likewise with the sums
@@ -24,12 +28,18 @@ params through the gradient: the loss holds a zero-valued term whose gradient wi
 `quantize/embedding` is (codebook - new_codebook), and `make_optimizer` routes that leaf through
 plain SGD with learning rate 1 (no clipping), so after the update the codebook equals the EMA /
 restart codebook exactly. The rest of the VQGAN uses clipped Adam with warmup + cosine decay.
-The trainer must use `make_optimizer`'s transformation unchanged for this to hold.
+The trainer must use `make_optimizer`'s transformation unchanged for this to hold (its logged
+`grad_norm` includes this codebook term, which is large at restart steps).
 
 Optional patch GAN (gan_weight > 0): a small PatchGAN discriminator lives in params['disc'] with
 its own clipped Adam (optax.multi_transform). Hinge losses; one combined loss with stop_gradient
 so each player only moves its own parameters: the generator term sees sg(disc params), the
 discriminator term sees sg(reconstruction). No adaptive weight or delayed start (taming has both).
+Other stages may apply the VQGAN to the whole params tree: linen ignores the extra 'disc' entry.
+
+Train metrics: loss, l1, l2, commitment, psnr (batch, [0, 1] images), perplexity (batch code
+usage), codes_active (share of codes with EMA usage >= threshold), codes_restarted (+ gan_g,
+gan_d). `evaluate` reports psnr, l1, codebook_usage, perplexity and frames on a split.
 """
 
 import functools
