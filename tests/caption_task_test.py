@@ -207,8 +207,12 @@ def test_missing_stage1_checkpoint_names_the_stage(tmp_path):
   model = caption.build_model(config)
   with pytest.raises(errors.UserError, match='run the pretrain stage first'):
     _init(model, config, _batch(), workdir=str(tmp_path))
-  with pytest.raises(ValueError, match='workdir'):
-    _init(model, config, _batch())
+  # The trainer inits without a workdir (inside jit), then applies the restore hook outside.
+  params = _init(model, config, _batch())
+  with pytest.raises(errors.UserError, match='run the pretrain stage first'):
+    caption.restore_init(params, config, str(tmp_path))
+  config.caption.init_from_pretrain = False
+  assert caption.restore_init(params, config, str(tmp_path)) is params
 
 
 def test_build_model_needs_the_vocabulary_size():
