@@ -24,7 +24,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
     d.image_size = 32
     for stage in ('tokenizer', 'pretrain', 'caption'):
       config[stage].train.steps = 4
-      config[stage].train.batch_size = 4
+      config[stage].train.batch_size = 8
       config[stage].train.log_every = 2
       config[stage].train.eval_every = 4
       config[stage].train.checkpoint_every = 4

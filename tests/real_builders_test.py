@@ -326,3 +326,23 @@ def test_ier_from_the_authors_h5_files(tmp_path, fixtures_dir):
     del f[del_uid]
   with pytest.raises(errors.UserError, match=f'edit_videos.h5.*{del_uid}'):
     image_editing_request.build('cpu64_h5', os.fspath(tmp_path / 'data2'), os.fspath(man))
+
+
+def _data_root(builder) -> str:
+  # <root>/<name>/<config>/<version>
+  return os.fspath(pathlib.Path(os.fspath(builder.data_dir)).parents[2])
+
+
+@pytest.mark.parametrize('name', ['clevr', 'spot', 'ier'])
+def test_cpu_config_trains_every_stage_on_fixture_data(name, request, tmp_path):
+  """The CPU variant of each real dataset's configs runs a few steps of every stage."""
+  import importlib
+  from procap_jax import main
+  builder = request.getfixturevalue(name)[0]
+  module = {'clevr': 'clevr_change', 'spot': 'spot_the_diff', 'ier': 'image_editing_request'}
+  config = importlib.import_module(f'configs.{module[name]}').get_config('cpu')
+  config.data.data_dir = _data_root(builder)
+  results = main.run(config, os.fspath(tmp_path))
+  assert results['split'] == 'test'
+  assert set(results['metrics']) >= {'CIDEr', 'Bleu_4', 'ROUGE_L'}
+  assert os.path.exists(tmp_path / 'report.html')
