@@ -52,16 +52,37 @@ def prepare_data(config, workdir: str) -> None:
       _compute_scores(config, workdir, path)
 
 
-def _compute_scores(config, workdir: str, path: str) -> None:
+def _tokenizer_feature_fn(config, workdir: str):
+  """The trained tokenizer's (frozen) encoder as a scores feature function."""
+  from procap_jax.models import vqgan
+  from procap_jax.procedure import scores as scores_lib
+  variables = {'params': checkpointing.load_stage_variables(workdir, 'tokenizer')['params']}
+  model = vqgan.VQGAN(**config.tokenizer.model)
+  encode = jax.jit(lambda x: model.apply(variables, x, method=vqgan.VQGAN.encode_features))
+  return scores_lib.make_encoder_feature_fn(lambda x: np.asarray(encode(x)),
+                                            image_size=config.data.image_size)
+
+
+def _compute_scores(config, workdir: str, path: str, feature: str = 'stats') -> None:
   from procap_jax.procedure import scores as scores_lib
   t0 = time.time()
-  feature_fn = scores_lib.FEATURES['stats']
+  if feature == 'stats':
+    feature_fn = scores_lib.FEATURES['stats']
+  else:
+    feature_fn = _tokenizer_feature_fn(config, workdir)
   entries = {}
   for split in ('train', 'val', 'test'):
     src = pipeline.open_source(config, workdir, split)
     entries.update(scores_lib.scores_for_split(src, config.data.frame_source, feature_fn))
   scores_lib.write_scores(path, entries, 'auto')
   print(f'wrote confidence scores for {len(entries)} pairs in {time.time() - t0:.0f} s', flush=True)
+
+
+def _wants_tokenizer_scores(config, workdir: str) -> bool:
+  return (config.data.sampler == 'confidence' and not config.data.scores_file
+          and config.data.scores_feature == 'tokenizer'
+          and not os.path.exists(pipeline.scores_path(config, workdir))
+          and os.path.exists(train.stage_done_path(workdir, 'tokenizer')))
 
 
 def dataset_statistics(config, workdir: str) -> dict:
@@ -87,6 +108,10 @@ def run_all(config, workdir: str) -> dict:
       continue
     print(f'[{stage}] training ...', flush=True)
     train.run(TASKS[stage], config, workdir)
+    if stage == 'tokenizer' and _wants_tokenizer_scores(config, workdir):
+      _compute_scores(config, workdir, pipeline.scores_path(config, workdir), 'tokenizer')
+  if _wants_tokenizer_scores(config, workdir):  # tokenizer finished in an earlier call
+    _compute_scores(config, workdir, pipeline.scores_path(config, workdir), 'tokenizer')
   results_path = os.path.join(workdir, 'results.json')
   if 'caption' not in config.stages:
     return {}

@@ -143,3 +143,21 @@ def test_caption_command_needs_a_run(tmp_path, capsys):
   with pytest.raises(SystemExit):
     caption.main(['--workdir', str(tmp_path), 'a.png', 'b.png'])
   assert 'not a procap-jax run' in capsys.readouterr().err
+
+
+def test_scores_from_the_trained_tokenizer(tiny_config, tmp_path):
+  from procap_jax.data import pipeline
+  from procap_jax.procedure import scores as scores_lib
+  tiny_config.stages = ('tokenizer',)
+  tiny_config.data.scores_feature = 'tokenizer'
+  tiny_config.tokenizer.train.steps = 2
+  tiny_config.tokenizer.train.eval_every = 2
+  main.run(tiny_config, str(tmp_path))
+  path = pipeline.scores_path(tiny_config, str(tmp_path))
+  assert path.endswith('scores_frames_tokenizer.json')
+  loaded = scores_lib.load_scores(path)
+  info = pipeline.load_split_info(tiny_config, 'train', str(tmp_path))
+  assert {r['pair_id'] for r in info} <= set(loaded)
+  d_start, d_end = loaded[info[0]['pair_id']]
+  assert d_start.shape == (9,) and d_start[0] == pytest.approx(1.0, abs=1e-4)
+  assert d_end[-1] == pytest.approx(1.0, abs=1e-4)
