@@ -62,7 +62,7 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
       token_input_scale='signed',      # 'signed': codes see [-1,1] images (original)
   ))
   t.train = ml_collections.ConfigDict(dict(
-      steps={'tiny': 20, 'quick': 150, 'default': 1500}[preset],
+      steps={'tiny': 20, 'quick': 150, 'default': 800}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
       lr=2e-3 if small else 3e-3,      # default: 3e-3 beat 1e-3 at 300 steps (23.3 vs 22.7 dB)
       warmup_steps=10 if preset == 'tiny' else 100,
@@ -77,8 +77,8 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
       dead_code_threshold=0.03,        # dead: EMA usage below this many uses per step
       gan_weight=0.0,                  # > 0 adds a PatchGAN discriminator (hinge loss)
       log_every=10 if preset == 'tiny' else 50,
-      eval_every={'tiny': 20, 'quick': 150, 'default': 500}[preset],
-      checkpoint_every={'tiny': 10, 'quick': 150, 'default': 500}[preset],
+      eval_every={'tiny': 20, 'quick': 150, 'default': 400}[preset],
+      checkpoint_every={'tiny': 10, 'quick': 150, 'default': 400}[preset],
       eval_batches=2 if preset == 'tiny' else 8,
   ))
   return t
@@ -116,16 +116,16 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
   p.csy_normalisation = 'code'         # 'code': fully masked samples in the numerator only; 'mean'
   p.fused_forwards = True              # the 3 stage-1 forwards as one call of batch 3B (same losses)
   p.train = ml_collections.ConfigDict(dict(
-      steps={'tiny': 20, 'quick': 150, 'default': 1500}[preset],
-      batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
+      steps={'tiny': 20, 'quick': 150, 'default': 400}[preset],
+      batch_size={'tiny': 8, 'quick': 16, 'default': 8}[preset],
       lr=5e-4 if small else 3e-4,      # original 1e-4 at batch 8 for 200k steps
       warmup_min=1e-6,
       warmup_steps=10 if preset == 'tiny' else 100,
       warmup='log',                    # 'log' (original DeepSpeed WarmupLR) | 'linear'
       clip=1.0,
       log_every=10 if preset == 'tiny' else 50,
-      eval_every={'tiny': 20, 'quick': 150, 'default': 500}[preset],
-      checkpoint_every={'tiny': 10, 'quick': 150, 'default': 500}[preset],
+      eval_every={'tiny': 20, 'quick': 150, 'default': 200}[preset],
+      checkpoint_every={'tiny': 10, 'quick': 150, 'default': 200}[preset],
       eval_batches=2 if preset == 'tiny' else 8,
   ))
   return p
@@ -151,8 +151,8 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
   ))
   c.init_from_pretrain = True          # restore the encoder from the stage-1 checkpoint
   c.train = ml_collections.ConfigDict(dict(
-      steps={'tiny': 20, 'quick': 200, 'default': 2500}[preset],
-      batch_size={'tiny': 8, 'quick': 16, 'default': 32}[preset],
+      steps={'tiny': 20, 'quick': 200, 'default': 700}[preset],
+      batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
       lr=5e-4 if small else 3e-4,      # original 5e-5 (decoder+MLP) at batch 32 x 40 epochs
       lr_encoder=2e-4 if small else 1e-4,  # original 2e-5
       warmup_frac=0.1,
@@ -162,8 +162,8 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       loss_reduction='sum',            # original: KL summed over target words; 'mean' per word
       t_total_factor=1.0,              # schedule length / steps (2.0 = the original 2-GPU launch)
       log_every=10 if preset == 'tiny' else 50,
-      eval_every={'tiny': 20, 'quick': 200, 'default': 500}[preset],
-      checkpoint_every={'tiny': 10, 'quick': 200, 'default': 500}[preset],
+      eval_every={'tiny': 20, 'quick': 200, 'default': 350}[preset],
+      checkpoint_every={'tiny': 10, 'quick': 200, 'default': 350}[preset],
       eval_batches=2 if preset == 'tiny' else 0,  # 0 = the whole split
   ))
   c.decoding = ml_collections.ConfigDict(dict(
