@@ -63,3 +63,13 @@ def write_text_atomic(path: str, text: str) -> None:
   with atomic_path(path) as tmp:
     with open(tmp, 'w', encoding='utf-8') as f:
       f.write(text)
+
+
+def check_writable_dir(path: str, hint: str = 'choose another one') -> None:
+  """Creates `path` if needed and checks a file can be written there; UserError otherwise."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise UserError(f'data directory {path} is not writable ({e.strerror}); {hint}') from None

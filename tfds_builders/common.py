@@ -28,7 +28,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import tempfile
 from typing import Any, Iterable, Iterator
 
 from absl import logging
@@ -421,13 +420,7 @@ def build(builder_cls: type[PairsBuilder], builder_config: str, data_dir: str, m
                         num_workers=num_workers)
   if builder.is_prepared():
     return builder
-  try:
-    os.makedirs(data_dir, exist_ok=True)
-    with tempfile.TemporaryFile(dir=data_dir):
-      pass
-  except OSError as e:
-    raise errors.UserError(f'data directory {data_dir} is not writable ({e.strerror}); choose '
-                           'another one') from None
+  errors.check_writable_dir(data_dir)
   builder.download_and_prepare(
       file_format='array_record',
       download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir)))

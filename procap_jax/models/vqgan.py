@@ -54,6 +54,7 @@ Checkpoint conversion from taming (PyTorch state_dict key -> flax params path):
   and count (66,883,459 at paper_config()), same codes, features and reconstructions (to 1e-5).
 """
 
+import dataclasses
 import math
 from typing import Any
 
@@ -373,3 +374,30 @@ class VQGAN(nn.Module):
     q = self.quantize.lookup(ids).reshape(b, side, side, self.embed_dim)  # [B, h, w, D]
     dec = self.decoder(self.post_quant_conv(q.astype(self.dtype)), False)
     return jnp.clip((dec.astype(jnp.float32) + 1.0) / 2.0, 0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+  """The frozen tokenizer as stages 1 and 2 call it (hashable: usable as a static jit argument).
+
+  `params` are the VQGAN's 'params' collection; images are float [M, S, S, 3] in [0, 1].
+  """
+  model: VQGAN
+
+  def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
+    """-> continuous pre-quantisation features [M, h, w, C]."""
+    return self.model.apply({'params': params}, images, method='encode_features')
+
+  def encode_tokens(self, params: Any, images: jax.Array) -> jax.Array:
+    """-> code indices int32 [M, h*w]."""
+    return self.model.apply({'params': params}, images, method='encode_tokens')
+
+  def decode_tokens(self, params: Any, ids: jax.Array) -> jax.Array:
+    """[M, h*w] code ids -> images [M, S, S, 3] in [0, 1]."""
+    return self.model.apply({'params': params}, ids, method='decode_tokens')
+
+
+def frozen(model_config: Any) -> Frozen:
+  """The frozen tokenizer of `config.tokenizer.model` (lists from a JSON config become tuples)."""
+  items = model_config.to_dict() if hasattr(model_config, 'to_dict') else dict(model_config)
+  return Frozen(VQGAN(**{k: tuple(v) if isinstance(v, list) else v for k, v in items.items()}))

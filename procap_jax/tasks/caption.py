@@ -16,7 +16,6 @@ The frozen tokenizer is reached through a small adapter (`encode_features`, `dec
 tests inject a fake one with `make_task(tokenizer_factory=...)`.
 """
 
-import dataclasses
 import functools
 import os
 from typing import Any, Callable, Iterable, NamedTuple
@@ -38,6 +37,7 @@ from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import decoder as decoder_lib
 from procap_jax.models import procedure_encoder
+from procap_jax.models import vqgan
 
 # Stage-1 heads that stay frozen in stage 2 (the original's `skip_params`, spec 5.1).
 FROZEN_ENCODER_MODULES = ('to_logits', 'to_logits_rel', 'to_logits_vid', 'image_emb')
@@ -46,23 +46,12 @@ _FRAME_POSITIONS = ('target_pos_emb', 'weights_0')
 _METRIC_ORDER = ('CIDEr', 'Bleu_4', 'METEOR', 'ROUGE_L', 'SPICE', 'Bleu_1', 'Bleu_2', 'Bleu_3')
 
 
-@dataclasses.dataclass(frozen=True)
-class FrozenTokenizer:
-  """Adapter over `models.vqgan.VQGAN` (hashable: usable as a static jit argument)."""
-  model: nn.Module
-
-  def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
-    """[B, S, S, 3] in [0, 1] -> continuous features [B, h, w, C]."""
-    return self.model.apply({'params': params}, images, method='encode_features')
-
-  def decode_tokens(self, params: Any, ids: jax.Array) -> jax.Array:
-    """[B, N] code ids -> images [B, S, S, 3] in [0, 1]."""
-    return self.model.apply({'params': params}, ids, method='decode_tokens')
+FrozenTokenizer = vqgan.Frozen
 
 
-def vqgan_tokenizer(config: ml_collections.ConfigDict) -> FrozenTokenizer:
-  from procap_jax.models import vqgan  # pylint: disable=g-import-not-at-top
-  return FrozenTokenizer(vqgan.VQGAN(**config.tokenizer.model))
+def vqgan_tokenizer(config: ml_collections.ConfigDict) -> vqgan.Frozen:
+  """The real tokenizer: the frozen VQGAN(**config.tokenizer.model)."""
+  return vqgan.frozen(config.tokenizer.model)
 
 
 # ----------------------------------------------------------------------------- model and params

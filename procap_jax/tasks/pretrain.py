@@ -19,7 +19,6 @@ The frozen tokenizer is reached through a small adapter object (`encode_features
 `encode_tokens`), so tests can inject a fake one with `make_task(tokenizer_factory=...)`.
 """
 
-import dataclasses
 from typing import Any, Callable, Iterable, Protocol
 
 import flax.linen as nn
@@ -52,23 +51,12 @@ class Tokenizer(Protocol):
     """-> code indices int32 [M, h*w]."""
 
 
-@dataclasses.dataclass(frozen=True)
-class VQGANTokenizer:
-  """Adapter over `models.vqgan.VQGAN` (hashable, so it can be a static jit argument)."""
-  model: nn.Module
-
-  def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
-    return self.model.apply({'params': params}, images, method='encode_features')
-
-  def encode_tokens(self, params: Any, images: jax.Array) -> jax.Array:
-    return self.model.apply({'params': params}, images, method='encode_tokens')
+VQGANTokenizer = vqgan.Frozen
 
 
-def vqgan_tokenizer(config: ml_collections.ConfigDict) -> VQGANTokenizer:
-  """The real tokenizer: VQGAN(**config.tokenizer.model)."""
-  kwargs = {k: tuple(v) if isinstance(v, list) else v
-            for k, v in config.tokenizer.model.to_dict().items()}
-  return VQGANTokenizer(vqgan.VQGAN(**kwargs))
+def vqgan_tokenizer(config: ml_collections.ConfigDict) -> vqgan.Frozen:
+  """The real tokenizer: the frozen VQGAN(**config.tokenizer.model)."""
+  return vqgan.frozen(config.tokenizer.model)
 
 
 # ----------------------------------------------------------------------------- model and state

@@ -9,7 +9,6 @@ README.md in this folder for the statistics and build times. Build with `build(.
 import dataclasses
 import multiprocessing
 import os
-import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -194,10 +193,4 @@ def is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
 
 
 def _check_writable(data_dir: str) -> None:
-  try:
-    os.makedirs(data_dir, exist_ok=True)
-    with tempfile.TemporaryFile(dir=data_dir):
-      pass
-  except OSError as e:
-    raise errors.UserError(f'data directory {data_dir} is not writable ({e.strerror}); choose '
-                           'a writable --data_dir') from None
+  errors.check_writable_dir(data_dir, 'choose a writable --data_dir')
