@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
   seconds = None if was_prepared else time.perf_counter() - t0
   stats = statistics(builder)
   stats['build_seconds'] = None if seconds is None else round(seconds, 1)
-  stats['workers'] = builder_lib.resolve_workers(args.num_workers)
+  cfg = builder.builder_config
+  stats['workers'] = max(builder_lib.workers_for(cfg.num_scenes(s), args.num_workers)
+                         for s in scene.SPLITS)
   print(json.dumps(stats) if args.json else format_statistics(stats), flush=True)
 
 

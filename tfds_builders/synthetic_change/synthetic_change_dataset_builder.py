@@ -121,7 +121,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
                          cfg.first_scene_id(split))
     n = cfg.num_scenes(split)
     tasks = [(spec, i) for i in range(n)]
-    workers = min(resolve_workers(self._num_workers), -(-n // _SCENES_PER_WORKER))
+    workers = workers_for(n, self._num_workers)
     progress = dict(total=n, desc=f'synthetic_change/{cfg.name} {split}', unit='scene',
                     mininterval=2.0)
     if workers <= 1:
@@ -146,6 +146,11 @@ def resolve_workers(num_workers: int | None) -> int:
     except AttributeError:  # not Linux
       return os.cpu_count() or 1
   return max(int(num_workers), 1)
+
+
+def workers_for(num_scenes: int, num_workers: int | None) -> int:
+  """Worker processes used for a split of `num_scenes` (1: render in this process)."""
+  return min(resolve_workers(num_workers), -(-num_scenes // _SCENES_PER_WORKER))
 
 
 def config_names() -> list[str]:
