@@ -30,11 +30,8 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.exists(path):
     raise errors.UserError(f'{workdir} is not a procap-jax run (no config.json); pass the '
                            '--workdir of a finished training run')
-  try:
-    with open(path, encoding='utf-8') as f:
-      raw = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise errors.UserError(f'cannot read {path} ({e}); the run directory is damaged') from None
+  raw = errors.read_json(path, 'run config', 'pass the --workdir of a finished training run',
+                         'the run directory is damaged')
   return ml_collections.ConfigDict(_tuples(raw))
 
 

@@ -6,6 +6,7 @@ with a non-zero status; every other exception is a bug and keeps its traceback.
 """
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -73,3 +74,14 @@ def check_writable_dir(path: str, hint: str = 'choose another one') -> None:
       pass
   except OSError as e:
     raise UserError(f'data directory {path} is not writable ({e.strerror}); {hint}') from None
+
+
+def read_json(path: str, what: str, missing_hint: str, corrupt_hint: str):
+  """Parsed JSON of `path`; one UserError naming `what` when it is missing or unreadable."""
+  if not os.path.isfile(path):
+    raise UserError(f'{what} {path} does not exist; {missing_hint}')
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise UserError(f'{what} {path} is not readable JSON ({e}); {corrupt_hint}') from None

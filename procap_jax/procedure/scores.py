@@ -192,15 +192,9 @@ def load_scores(path: str, style: str = 'auto') -> dict[str, tuple[np.ndarray, n
   """
   if style not in ('auto', 'flat', 'clevr'):
     raise ValueError(f"style must be 'auto', 'flat' or 'clevr', got {style!r}")
-  if not os.path.isfile(path):
-    raise errors.UserError(f'scores file {path} does not exist; compute it with '
-                           '`python -m procap_jax.procedure.scores` or fix the path')
-  try:
-    with open(path, encoding='utf-8') as f:
-      data = json.load(f)
-  except (OSError, UnicodeDecodeError, ValueError) as e:
-    raise errors.UserError(f'scores file {path} is not readable JSON ({e}); '
-                           'regenerate it') from None
+  data = errors.read_json(
+      path, 'scores file',
+      'compute it with `python -m procap_jax.procedure.scores` or fix the path', 'regenerate it')
   if not isinstance(data, dict) or not data:
     raise errors.UserError(f'scores file {path} is not a non-empty JSON object keyed by pair; '
                            'regenerate it')
