@@ -113,8 +113,12 @@ def test_statistics_on_hand_made_logits():
     np.testing.assert_allclose(out['loss'], 7 * out['loss_msm'] + 0.5 * out['loss_align'] +
                                0.5 * out['loss_csy'], rtol=1e-6)
     assert float(out['msm_acc']) == 0.75
-    assert float(out['match_acc']) == 0.5   # sample 0 right, 2 wrong, 1 excluded
-    assert float(out['csy_acc']) == 0.0     # vid_neg of sample 2 is not < 0
+    # Included samples 0 and 2: rel decisions right, right / wrong, wrong; vid decisions
+    # wrong (0 is not > 0), right / right, wrong (0 is not < 0).
+    assert float(out['match_acc']) == 0.5
+    assert float(out['match_pair_acc']) == 0.5
+    assert float(out['csy_acc']) == 0.5
+    assert float(out['csy_pair_acc']) == 0.0
 
   # Padding rows contribute nothing; an all-masked batch divides by max(1, 0).
   none = pretrain.statistics_from_logits(frame_logits, codes, token_mask, jnp.ones(3, bool),
@@ -221,7 +225,7 @@ def test_evaluate_is_deterministic(setup):
                          batches=iter(batches))
   assert first == second
   assert set(first) == {'loss', 'loss_msm', 'loss_align', 'loss_csy', 'msm_acc', 'match_acc',
-                        'csy_acc'}
+                        'csy_acc', 'match_pair_acc', 'csy_pair_acc'}
   assert all(isinstance(v, float) and math.isfinite(v) for v in first.values())
 
 
@@ -245,7 +249,7 @@ def test_loss_with_the_real_vqgan():
                                          config, model), params, tok_params)
   assert loss.shape == () and loss.dtype == jnp.float32
   assert set(metrics) == {'loss', 'loss_msm', 'loss_align', 'loss_csy', 'msm_acc', 'match_acc',
-                          'csy_acc'}
+                          'csy_acc', 'match_pair_acc', 'csy_pair_acc'}
 
 
 def test_sharded_loss_equals_single_device(setup):

@@ -38,7 +38,8 @@ from procap_jax.tasks import corruptions
 from procap_jax.tasks import masking
 
 SUM_KEYS = ('msm_ce', 'msm_correct', 'msm_count', 'align_sum', 'included', 'match_correct',
-            'csy_sum_all', 'csy_sum_included', 'csy_correct')
+            'match_pair_correct', 'csy_sum_all', 'csy_sum_included', 'csy_correct',
+            'csy_pair_correct')
 
 
 class Tokenizer(Protocol):
@@ -190,21 +191,29 @@ def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask
   bce = optax.sigmoid_binary_cross_entropy
   align = bce(rel_pos, jnp.ones_like(rel_pos)) + bce(rel_neg, jnp.zeros_like(rel_neg))  # [B]
   csy = bce(vid_pos, jnp.ones_like(vid_pos)) + bce(vid_neg, jnp.zeros_like(vid_neg))  # [B]
-  match = ((rel_pos > 0) & (rel_neg < 0)).astype(jnp.float32)  # [B]
-  consistent = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
+  # Per decision (positive and negative counted separately; chance 0.5) and per pair (both
+  # right; chance 0.25).
+  match = (rel_pos > 0).astype(jnp.float32) + (rel_neg < 0).astype(jnp.float32)  # [B] 0..2
+  match_pair = ((rel_pos > 0) & (rel_neg < 0)).astype(jnp.float32)  # [B]
+  consistent = (vid_pos > 0).astype(jnp.float32) + (vid_neg < 0).astype(jnp.float32)  # [B]
+  consistent_pair = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
   return dict(
       msm_ce=jnp.sum(ce * token_mask), msm_correct=jnp.sum(correct * token_mask),
       msm_count=jnp.sum(token_mask), align_sum=jnp.sum(align * included),
       included=jnp.sum(included), match_correct=jnp.sum(match * included),
+      match_pair_correct=jnp.sum(match_pair * included),
       csy_sum_all=jnp.sum(csy * validf), csy_sum_included=jnp.sum(csy * included),
-      csy_correct=jnp.sum(consistent * included))
+      csy_correct=jnp.sum(consistent * included),
+      csy_pair_correct=jnp.sum(consistent_pair * included))
 
 
 def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
   """Losses, total and accuracies from `batch_statistics` sums (jnp or numpy scalars).
 
-  Accuracies: masked-token top-1; match = rel+ > 0 and rel- < 0; consistency = vid+ > 0 and
-  vid- < 0; both over the included (not fully masked, valid) samples.
+  Accuracies over the included (not fully masked, valid) samples: masked-token top-1
+  (`msm_acc`); match and consistency as binary classifiers, each positive and each negative one
+  decision (`match_acc`, `csy_acc`: chance 0.5); and per pair, both decisions right
+  (`match_pair_acc`: rel+ > 0 and rel- < 0, `csy_pair_acc` likewise; chance 0.25).
   """
   norm = config.pretrain.csy_normalisation
   if norm not in ('code', 'mean'):
@@ -214,7 +223,10 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
   csy_sum = sums['csy_sum_all'] if norm == 'code' else sums['csy_sum_included']
   out = dict(loss_msm=sums['msm_ce'] / tokens, loss_align=sums['align_sum'] / included,
              loss_csy=csy_sum / included, msm_acc=sums['msm_correct'] / tokens,
-             match_acc=sums['match_correct'] / included, csy_acc=sums['csy_correct'] / included)
+             match_acc=sums['match_correct'] / (2.0 * included),
+             csy_acc=sums['csy_correct'] / (2.0 * included),
+             match_pair_acc=sums['match_pair_correct'] / included,
+             csy_pair_acc=sums['csy_pair_correct'] / included)
   w = config.pretrain.loss_weights
   out['loss'] = w.msm * out['loss_msm'] + w.align * out['loss_align'] + w.csy * out['loss_csy']
   return out
