@@ -246,3 +246,20 @@ def test_fewer_frames_take_the_first_axial_positions(model_and_params):
   with pytest.raises(ValueError):
     model.apply({'params': params}, jnp.concatenate([feats, feats[:, :1]], 1),
                 jnp.concatenate([mask, mask[:, :1]], 1), method=frames)
+
+
+@pytest.mark.parametrize('std', [1.0, 0.02])
+def test_embedding_std_sets_every_embedding_table(std):
+  """`embedding_std` scales every embedding table (text, special, axial, image_emb) and nothing
+  else: the block weights keep CLIP's init."""
+  kw = dict(KW, width=64, heads=4, text_vocab_size=200, codebook_size=300)
+  model = pe.ProcedureEncoder(**kw, embedding_std=std)
+  text, feats, mask = _inputs()
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), text, feats, mask,
+                                    use_rel=True)['params'])
+  tables = [params['text_emb'], params['image_emb'], params['special_emb'],
+            params['text_pos_emb']] + list(params['target_pos_emb'].values())
+  for table in tables:
+    np.testing.assert_allclose(np.std(np.asarray(table)), std, rtol=0.35)
+  block = np.asarray(params['resblocks_0']['attn']['in_proj']['kernel'])
+  np.testing.assert_allclose(np.std(block), 64 ** -0.5, rtol=0.1)

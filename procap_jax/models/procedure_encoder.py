@@ -93,15 +93,17 @@ def attention_mask(num_text: int, num_frame_tokens: int, *, use_rel: bool,
 
 
 class AxialPositionEmbedding(nn.Module):
-  """Summed axial embedding e_t + e_h + e_w (lucidrains' AxialPositionalEmbedding, N(0,1))."""
+  """Summed axial embedding e_t + e_h + e_w (lucidrains' AxialPositionalEmbedding: N(0, std),
+  std 1 in the original)."""
   shape: tuple[int, int, int]
   width: int
+  std: float = 1.0
 
   @nn.compact
   def __call__(self) -> jax.Array:
     """Returns [T, h, w, D]."""
     t, h, w = self.shape
-    init = nn.initializers.normal(1.0)
+    init = nn.initializers.normal(self.std)
     e_t = self.param('weights_0', nn.with_logical_partitioning(init, ('pos', None, None, 'embed')),
                      (t, 1, 1, self.width))
     e_h = self.param('weights_1', nn.with_logical_partitioning(init, (None, 'pos', None, 'embed')),
@@ -111,8 +113,9 @@ class AxialPositionEmbedding(nn.Module):
     return e_t + e_h + e_w  # [T, h, w, D]
 
 
-def _table(module: nn.Module, name: str, rows: int, width: int, row_axis: str | None) -> jax.Array:
-  return module.param(name, nn.with_logical_partitioning(nn.initializers.normal(1.0),
+def _table(module: nn.Module, name: str, rows: int, width: int, row_axis: str | None,
+           std: float) -> jax.Array:
+  return module.param(name, nn.with_logical_partitioning(nn.initializers.normal(std),
                                                          (row_axis, 'embed')), (rows, width))
 
 
@@ -130,6 +133,10 @@ class ProcedureEncoder(nn.Module):
     grid: (h, w) tokens per frame side.
     feature_dim: C, channels of the tokenizer's continuous features.
     codebook_size: K, tokenizer codes (masked-token targets).
+    embedding_std: std of the normal init of every embedding table (text, special, axial
+      positions, the unused image_emb). 1.0 is the original's (torch nn.Embedding and
+      lucidrains' axial embedding defaults); from scratch, a small value (e.g. 0.02) lets the
+      frame content outweigh the positions at init (docs/fidelity.md).
     dtype: computation dtype of the matmuls (parameters are float32).
   """
   width: int
@@ -142,21 +149,22 @@ class ProcedureEncoder(nn.Module):
   grid: tuple[int, int]
   feature_dim: int
   codebook_size: int
+  embedding_std: float = 1.0
   dtype: Any = jnp.float32
 
   def setup(self):
-    d = self.width
+    d, std = self.width, self.embedding_std
     self.text_emb = _table(self, 'text_emb', self.text_vocab_size + self.text_len + 1, d,
-                           'text_vocab')
-    self.text_pos_emb = _table(self, 'text_pos_emb', self.text_len, d, 'pos')
-    self.special_emb = _table(self, 'special_emb', NUM_SPECIAL, d, 'pos')
-    self.special_pos_emb = _table(self, 'special_pos_emb', NUM_SPECIAL, d, 'pos')
-    # Unused in the forward; kept (N(0,1) like torch's Embedding) for checkpoint compatibility.
-    self.image_emb = _table(self, 'image_emb', self.codebook_size + 2, d, 'codebook')
+                           'text_vocab', std)
+    self.text_pos_emb = _table(self, 'text_pos_emb', self.text_len, d, 'pos', std)
+    self.special_emb = _table(self, 'special_emb', NUM_SPECIAL, d, 'pos', std)
+    self.special_pos_emb = _table(self, 'special_pos_emb', NUM_SPECIAL, d, 'pos', std)
+    # Unused in the forward; kept (like torch's Embedding) for checkpoint compatibility.
+    self.image_emb = _table(self, 'image_emb', self.codebook_size + 2, d, 'codebook', std)
     self.image_mask = self.param(
         'image_mask', nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)), (d,))
     self.conv_to_embedding = layers.LayerNormDense(d, (None, 'embed'), dtype=self.dtype)
-    self.target_pos_emb = AxialPositionEmbedding((self.num_frames,) + tuple(self.grid), d)
+    self.target_pos_emb = AxialPositionEmbedding((self.num_frames,) + tuple(self.grid), d, std)
     self.resblocks = [
         layers.ResidualAttentionBlock(d, self.heads, self.mlp_ratio, self.depth, self.dtype)
         for _ in range(self.depth)]
