@@ -1,6 +1,8 @@
 r"""The paper's ablations on the synthetic benchmark, several seeds, written to docs/results.md.
 
   python -m procap_jax.ablations --root workdir/ablations --seeds 0,1,2
+  python -m procap_jax.ablations --root R --data_dir W/data --tokenizer_from W/tokenizer \
+      --override pretrain.train.steps=100 --override caption.train.steps=300   # reuse a run
   python -m procap_jax.ablations --root workdir/ablations --seeds 0 --preset default \
       --override caption.train.steps=400 --override pretrain.train.steps=200   # shorter runs
 
@@ -23,6 +25,10 @@ import numpy as np
 from procap_jax import errors
 
 VARIANTS = ('static', 'no_queries', 'no_stage1', 'k1', 'k2', 'k4', 'oracle')
+# Runs in this order, so a variant can reuse an earlier variant's finished stage 1 of the same
+# seed: 'no_queries' trains exactly the stage 1 of 'k2' (same config, same seed).
+RUN_ORDER = ('static', 'no_stage1', 'k2', 'no_queries', 'k1', 'k4', 'oracle')
+SHARED_STAGE1 = {'no_queries': 'k2'}
 PAPER = {  # CLEVR-Change CIDEr from the paper (ablation table and k table)
     'static': 108.4, 'no_queries': 112.7, 'no_stage1': 106.2, 'k1': 128.5, 'k2': 135.6,
     'k4': 130.5,
@@ -47,12 +53,32 @@ def _apply_override(config, item: str) -> None:
   node[parts[-1]] = type(old)(json.loads(value)) if not isinstance(old, str) else value
 
 
-def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list[str]) -> dict:
+def _copy_stage(src: str, dst: str) -> None:
+  """Copies a finished stage folder (one with DONE) to `dst` unless `dst` exists."""
+  if os.path.exists(os.path.join(src, 'DONE')) and not os.path.exists(dst):
+    shutil.copytree(src, dst + '.tmp', dirs_exist_ok=True)
+    os.replace(dst + '.tmp', dst)
+
+
+def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list[str],
+                data_dir: str = '', tokenizer_from: str = '') -> dict:
+  """Trains (or reads back) one variant x seed run in `<root>/<variant>_s<seed>`.
+
+  Args:
+    variant: one of VARIANTS.
+    seed: config.seed.
+    root: folder of all runs.
+    preset: configs/synthetic.py preset.
+    overrides: 'key=json' config overrides.
+    data_dir: an already built dataset folder ('' = `<root>/data`, built when missing).
+    tokenizer_from: a finished tokenizer stage folder copied into every run ('' = train one per
+      seed and share it among that seed's variants).
+  """
   from configs import synthetic
   from procap_jax import main
   config = synthetic.get_config(f'{preset},{variant}' if variant != 'k2' else preset)
   config.seed = seed
-  config.data.data_dir = os.path.join(root, 'data')
+  config.data.data_dir = data_dir or os.path.join(root, 'data')
   for item in overrides:
     _apply_override(config, item)
   workdir = os.path.join(root, f'{variant}_s{seed}')
@@ -60,13 +86,16 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   if os.path.exists(results_path):
     with open(results_path, encoding='utf-8') as f:
       return json.load(f)
-  shared_tok = os.path.join(root, f'tokenizer_s{seed}')
-  if os.path.exists(os.path.join(shared_tok, 'DONE')) and not os.path.exists(
-      os.path.join(workdir, 'tokenizer')):
-    shutil.copytree(shared_tok, os.path.join(workdir, 'tokenizer'))
+  shared_tok = tokenizer_from or os.path.join(root, f'tokenizer_s{seed}')
+  if tokenizer_from and not os.path.exists(os.path.join(tokenizer_from, 'DONE')):
+    raise errors.UserError(f'--tokenizer_from {tokenizer_from} is not a finished tokenizer stage '
+                           '(no DONE file)')
+  _copy_stage(shared_tok, os.path.join(workdir, 'tokenizer'))
+  if variant in SHARED_STAGE1 and 'pretrain' in config.stages:
+    _copy_stage(os.path.join(root, f'{SHARED_STAGE1[variant]}_s{seed}', 'pretrain'),
+                os.path.join(workdir, 'pretrain'))
   results = main.run(config, workdir)
-  if not os.path.exists(os.path.join(shared_tok, 'DONE')):
-    shutil.copytree(os.path.join(workdir, 'tokenizer'), shared_tok, dirs_exist_ok=True)
+  _copy_stage(os.path.join(workdir, 'tokenizer'), shared_tok)
   return results
 
 
@@ -106,6 +135,11 @@ def main(argv=None) -> None:
   parser.add_argument('--seeds', default='0,1,2')
   parser.add_argument('--variants', default=','.join(VARIANTS))
   parser.add_argument('--preset', default='default')
+  parser.add_argument('--data_dir', default='',
+                      help='an already built synthetic dataset folder (default <root>/data)')
+  parser.add_argument('--tokenizer_from', default='',
+                      help='a finished tokenizer stage folder shared by every run (default: one '
+                      'tokenizer per seed)')
   parser.add_argument('--override', action='append', default=[],
                       help='config override key=value (JSON value), repeatable')
   parser.add_argument('--out', default='docs/results.md')
@@ -117,10 +151,11 @@ def main(argv=None) -> None:
       raise errors.UserError(f'unknown variant {v!r}; choose from {", ".join(VARIANTS)}')
   all_results = {}
   for seed in seeds:
-    for v in variants:
+    for v in [v for v in RUN_ORDER if v in variants]:
       print(f'=== {v} seed {seed}', flush=True)
-      all_results.setdefault(v, []).append(run_variant(v, seed, args.root, args.preset,
-                                                       args.override))
+      all_results.setdefault(v, []).append(run_variant(
+          v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
+          tokenizer_from=args.tokenizer_from))
   command = ' '.join(['python -m procap_jax.ablations'] + (argv or []))
   text = (f'# Ablations on the synthetic benchmark\n\nMeasured with `{command}` (preset '
           f'`{args.preset}`, overrides {args.override or "none"}, seeds {seeds}). Test split, '
