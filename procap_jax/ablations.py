@@ -163,8 +163,26 @@ def main(argv=None) -> None:
           'CLEVR-Change, for context only: a different dataset and scale.\n\n'
           + table(all_results) + '\n\nCIDEr by change type (mean over seeds):\n\n'
           + by_type(all_results) + '\n')
-  errors.write_text_atomic(args.out, text)
+  errors.write_text_atomic(args.out, merge_into(args.out, text))
   print(text)
+
+
+BEGIN, END = '<!-- ablations:begin -->', '<!-- ablations:end -->'
+
+
+def merge_into(path: str, generated: str) -> str:
+  """The new content of `path`: `generated` between the BEGIN/END markers, keeping whatever the
+  file has outside them (hand-written analysis); the whole file when it has no markers."""
+  block = f'{BEGIN}\n{generated}{END}\n'
+  if not os.path.exists(path):
+    return block
+  with open(path, encoding='utf-8') as f:
+    old = f.read()
+  if BEGIN not in old or END not in old:
+    return block
+  head, rest = old.split(BEGIN, 1)
+  tail = rest.split(END, 1)[1].lstrip('\n')
+  return head + block + ('\n' + tail if tail else '')
 
 
 if __name__ == '__main__':
