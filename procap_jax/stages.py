@@ -127,7 +127,9 @@ def run_all(config, workdir: str) -> dict:
     return np.clip(np.rint(frames * 255), 0, 255).astype(np.uint8)
 
   from procap_jax import report
-  report.write_report(config, workdir, results, imagine_fn=imagine_fn)
+  # Without procedure queries (static / no-queries variants) there is nothing to imagine.
+  report.write_report(config, workdir, results,
+                      imagine_fn=imagine_fn if config.caption.model.use_queries else None)
   print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
   return results
 
