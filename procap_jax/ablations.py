@@ -85,7 +85,7 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   results_path = os.path.join(workdir, 'results.json')
   if os.path.exists(results_path):
     with open(results_path, encoding='utf-8') as f:
-      return json.load(f)
+      return _with_distinct_captions(json.load(f), workdir)
   shared_tok = tokenizer_from or os.path.join(root, f'tokenizer_s{seed}')
   if tokenizer_from and not os.path.exists(os.path.join(tokenizer_from, 'DONE')):
     raise errors.UserError(f'--tokenizer_from {tokenizer_from} is not a finished tokenizer stage '
@@ -96,12 +96,23 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
                 os.path.join(workdir, 'pretrain'))
   results = main.run(config, workdir)
   _copy_stage(os.path.join(workdir, 'tokenizer'), shared_tok)
+  return _with_distinct_captions(dict(results), workdir)
+
+
+def _with_distinct_captions(results: dict, workdir: str) -> dict:
+  """Adds 'distinct_captions': how many different sentences the run wrote for the test split
+  (1 = the captioner ignores its images)."""
+  path = os.path.join(workdir, 'caption', 'predictions_test.json')
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      results['distinct_captions'] = len({p['caption'] for p in json.load(f)})
   return results
 
 
 def table(all_results: dict[str, list[dict]]) -> str:
   lines = ['| variant | seeds | ' + ' | '.join(METRICS) + ' | CIDEr change | CIDEr no-change '
-           '| paper CLEVR-Change CIDEr |', '|---' * (len(METRICS) + 5) + '|']
+           '| distinct test captions per seed | paper CLEVR-Change CIDEr |',
+           '|---' * (len(METRICS) + 6) + '|']
   for variant in VARIANTS:
     runs = all_results.get(variant) or []
     if not runs:
@@ -111,8 +122,9 @@ def table(all_results: dict[str, list[dict]]) -> str:
       vals = np.array([r['metrics'].get(m, np.nan) for r in runs], float) * 100
       cells.append(f'{np.nanmean(vals):.1f} ± {np.nanstd(vals):.1f}' if len(vals) > 1
                    else f'{vals[0]:.1f}')
+    distinct = ', '.join(str(r.get('distinct_captions', '?')) for r in runs)
     lines.append(f'| {LABELS[variant]} | {len(runs)} | ' + ' | '.join(cells) +
-                 f' | {PAPER.get(variant, "n/a")} |')
+                 f' | {distinct} | {PAPER.get(variant, "n/a")} |')
   return '\n'.join(lines)
 
 

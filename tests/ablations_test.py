@@ -10,13 +10,15 @@ def _run(cider, change):
 
 
 def test_table_mean_and_std_over_seeds_with_the_paper_column():
-  text = ablations.table({'k2': [_run(0.4, 0.6), _run(0.6, 0.8)], 'static': [_run(0.5, 0.5)]})
+  runs = [_run(0.4, 0.6), _run(0.6, 0.8)]
+  runs[0]['distinct_captions'], runs[1]['distinct_captions'] = 1, 37
+  text = ablations.table({'k2': runs, 'static': [_run(0.5, 0.5)]})
   rows = text.splitlines()
   static_row = next(r for r in rows if r.startswith('| static'))
   k2_row = next(r for r in rows if r.startswith('| full, k = 2'))
   assert '| 1 |' in static_row and '50.0' in static_row and '108.4' in static_row
   assert '| 2 |' in k2_row and '50.0 ± 10.0' in k2_row and '70.0 ± 10.0' in k2_row
-  assert '135.6' in k2_row
+  assert '135.6' in k2_row and '| 1, 37 |' in k2_row and '| ? |' in static_row
   assert rows.index(static_row) < rows.index(k2_row)  # VARIANTS order, not insertion order
 
 
