@@ -169,7 +169,7 @@ def main(argv=None) -> None:
           v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
           tokenizer_from=args.tokenizer_from))
   command = ' '.join(['python -m procap_jax.ablations'] + (argv or []))
-  text = (f'# Ablations on the synthetic benchmark\n\nMeasured with `{command}` (preset '
+  text = (f'### Measured ablations\n\nMeasured with `{command}` (preset '
           f'`{args.preset}`, overrides {args.override or "none"}, seeds {seeds}). Test split, '
           'checkpoint chosen on val; scores x 100, mean ± std over seeds. The paper column is '
           'CLEVR-Change, for context only: a different dataset and scale.\n\n'
