@@ -32,6 +32,9 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
                            '--workdir of a finished training run')
   raw = errors.read_json(path, 'run config', 'pass the --workdir of a finished training run',
                          'the run directory is damaged')
+  if not isinstance(raw, dict) or not isinstance(raw.get('data'), dict):
+    raise errors.UserError(f'{path} is not a procap-jax run config (no "data" section); pass the '
+                           '--workdir of a finished training run')
   return ml_collections.ConfigDict(_tuples(raw))
 
 
@@ -47,10 +50,16 @@ def pairs_from_args(args) -> list[tuple[str, str]]:
   """The (before, after) paths the command line names, checked to exist."""
   pairs: list[tuple[str, str]] = []
   if args.csv:
-    if not os.path.exists(args.csv):
-      raise errors.UserError(f'CSV file {args.csv} does not exist')
-    with open(args.csv, newline='', encoding='utf-8') as f:
-      rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+    if not os.path.isfile(args.csv):
+      raise errors.UserError(f'CSV file {args.csv} does not exist or is not a file')
+    try:
+      with open(args.csv, newline='', encoding='utf-8') as f:
+        rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+    except UnicodeDecodeError as e:
+      raise errors.UserError(f'CSV file {args.csv} is not UTF-8 text (bad byte at offset '
+                             f'{e.start}); save it as UTF-8') from None
+    except (OSError, csv.Error) as e:
+      raise errors.UserError(f'cannot read CSV file {args.csv} ({e}); check the file') from None
     if rows and [c.strip().lower() for c in rows[0][:2]] == ['before', 'after']:
       rows = rows[1:]
     base = os.path.dirname(os.path.abspath(args.csv))
@@ -127,11 +136,12 @@ def main(argv: list[str] | None = None) -> list[str]:
   args = parser.parse_args(argv)
   from procap_jax.data import images
   pairs = pairs_from_args(args)
-  captioner = Captioner(args.workdir, args.which)
+  load_run_config(args.workdir)  # a wrong --workdir fails before any image is read
   befores, afters = [], []
-  for b, a in pairs:
+  for b, a in pairs:  # every bad image fails before the (slower) checkpoint restore
     befores.append(images.load_image(b))
     afters.append(images.load_image(a))
+  captioner = Captioner(args.workdir, args.which)
   captions = captioner(befores, afters)
   for (b, a), c in zip(pairs, captions):
     print(f'{b}\t{a}\t{c}', flush=True)

@@ -46,18 +46,21 @@ class StageCheckpoints:
     return self.latest.latest_step()
 
   def save(self, step: int, state: Any, data_state: dict, meta: dict, *, best: bool = False):
-    """Saves `state` at `step` (synchronously). `best=True` also stores it as the best one."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              data=ocp.args.JsonSave(data_state),
-                              meta=ocp.args.JsonSave(_jsonable(meta)))
+    """Saves `state` at `step` (synchronously). `best=True` also stores it as the best one.
+
+    The best copy is written first: the latest checkpoint's meta records that its step is the
+    best, so a run killed between the two writes resumes from the previous latest checkpoint
+    and writes both again, rather than resuming with a best checkpoint that was never saved.
+    """
+    def args():
+      return ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                data=ocp.args.JsonSave(data_state),
+                                meta=ocp.args.JsonSave(_jsonable(meta)))
+
+    if best and self.best.latest_step() != step:
+      self.best.save(step, args=args(), force=True)
     if self.latest.latest_step() != step:
-      self.latest.save(step, args=args, force=True)
-    if best:
-      if self.best.latest_step() == step:
-        return
-      self.best.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-          meta=ocp.args.JsonSave(_jsonable(meta))), force=True)
+      self.latest.save(step, args=args(), force=True)
 
   def restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict]:
     """Restores (state, data_state, meta) of the latest checkpoint into `abstract_state`'s
@@ -97,6 +100,11 @@ def _pick_dir(workdir: str, stage: str, which: str) -> str | None:
     if os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d)):
       return d
   return None
+
+
+def has_checkpoint(workdir: str, stage: str) -> bool:
+  """Whether `workdir/<stage>` holds a complete (best or latest) checkpoint."""
+  return _pick_dir(workdir, stage, 'best') is not None
 
 
 def load_stage_variables(workdir: str, stage: str, which: str = 'best') -> dict:

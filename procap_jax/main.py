@@ -14,13 +14,17 @@ Multi-process (one process per host): set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCE
 JAX_PROCESS_ID (see README); `jax.distributed.initialize` is called before anything else.
 """
 
+import ast
+import contextlib
 import json
 import os
 import sys
+from typing import NoReturn
 
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 from procap_jax import errors
@@ -29,7 +33,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_c
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory of the run.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'evaluate', 'build'], 'What to do.')
 _SPLIT = flags.DEFINE_string('split', 'test', 'Split for --mode=evaluate.')
-_WHICH = flags.DEFINE_string('which', 'best', "Checkpoint for --mode=evaluate: 'best', 'latest'.")
+_WHICH = flags.DEFINE_enum('which', 'best', ['best', 'latest'], 'Checkpoint for --mode=evaluate.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -47,12 +51,14 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
         which: str = 'best') -> dict:
   """Does what `mode` says; returns the results dict (tests call this directly)."""
   from procap_jax import config_lib
-  from procap_jax import stages
+  config_lib.validate(config)  # before the slow imports below
 
+  from procap_jax import stages
   from procap_jax.data import pipeline
 
-  config_lib.validate(config)
+  errors.remove_stale_temp_files(workdir)  # left by a run killed while writing a file
   stages.prepare_data(config, workdir)
+  errors.remove_stale_temp_files(pipeline.dataset_dir(config, workdir), max_depth=0)
   pipeline.resolve_vocab_sizes(config, workdir)
   config_lib.check_workdir(config, workdir)
   if mode == 'build':
@@ -64,18 +70,82 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
   return stages.run_all(config, workdir)
 
 
+def _config_file_argument(argv: list[str]) -> str | None:
+  """The value of `--config` in `argv` (`file.py[:preset]`), or None when absent."""
+  for i, arg in enumerate(argv):
+    if arg.startswith('--config='):
+      return arg[len('--config='):]
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _one_line(message: str) -> str:
+  """A flag error as one line: an embedded traceback is reduced to its final line."""
+  head, sep, trace = str(message).partition('Traceback (most recent call last):')
+  if sep:
+    last = [line for line in trace.strip().splitlines() if line.strip()][-1]
+    head = f'{head.strip().rstrip(":")}: {last.strip()}'
+  return ' '.join(head.split())
+
+
+_QUOTES = '\'"'
+
+
+def _override_problem(e: Exception) -> str:
+  """What ml_collections says about a bad override, as one line.
+
+  An unknown key arrives as AttributeError(KeyError("'key'\\nDid you mean ...")), whose text is
+  the repr of the KeyError's message.
+  """
+  text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+  if text and text[0] in _QUOTES:
+    with contextlib.suppress(ValueError, SyntaxError):
+      text = str(ast.literal_eval(text))
+  if isinstance(e, (AttributeError, KeyError)):
+    key, _, hint = text.partition('\n')
+    hint = ' '.join(hint.split())
+    return f'unknown key {key.strip(_QUOTES)!r}' + (f' ({hint})' if hint else '')
+  return _one_line(text)
+
+
+def _fail(message: str) -> NoReturn:
+  """Prints `error: <message>` on stderr and exits with status 2."""
+  print(f'error: {message}', file=sys.stderr)
+  raise SystemExit(2)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing with one clear sentence for bad flags or unknown config keys."""
+  """absl flag parsing with one clear sentence for a bad config file, flag or override."""
+  config_arg = _config_file_argument(argv[1:])
+  if config_arg is not None:
+    path = config_arg.split(':', 1)[0]
+    if not os.path.isfile(path):
+      _fail(f'config file {path} does not exist; pass --config <file.py>[:<preset>], e.g. '
+            '--config configs/synthetic.py:quick')
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
-    print(f'error: {e}', file=sys.stderr)
-    raise SystemExit(2) from None
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    if config_arg is not None and '--config=None' in str(e):
+      _fail(f'config file {config_arg} did not give a config: its get_config() must return an '
+            'ml_collections.ConfigDict')
+    _fail(_one_line(str(e)))
+  except SyntaxError as e:
+    _fail(f'config file {e.filename} has a syntax error at line {e.lineno}: {e.msg}')
+  except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    if "attribute 'get_config'" in str(e):
+      _fail(f'config file {config_arg} has no get_config() function; see configs/synthetic.py')
     bad = [a for a in argv if a.startswith('--config.')]
-    print(f'error: bad config override ({", ".join(bad) or "?"}): {e}; check the key names in '
-          'the config file', file=sys.stderr)
-    raise SystemExit(2) from None
+    _fail(f'bad config override ({", ".join(bad) or "?"}): {_override_problem(e)}; check the key '
+          'names in the config file')
+  value = _CONFIG.value
+  if not isinstance(value, ml_collections.ConfigDict):
+    if type(value).__name__ == '_ErrorConfig':  # config_flags defers load errors (OSError)
+      error = getattr(value, '_error')
+      _fail(f'cannot load the config file {config_arg}: {_one_line(str(error))}')
+    _fail(f'config file {config_arg} did not give a config: its get_config() must return an '
+          'ml_collections.ConfigDict')
+  return rest
 
 
 def main(argv):

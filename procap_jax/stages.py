@@ -98,9 +98,36 @@ def dataset_statistics(config, workdir: str) -> dict:
   return stats
 
 
+def _inputs_of(config, stage: str) -> tuple[str, ...]:
+  """The stages whose checkpoints `stage` starts from (frozen tokenizer, stage-1 encoder)."""
+  if stage == 'pretrain':
+    return ('tokenizer',)
+  if stage == 'caption':
+    return ('tokenizer', 'pretrain') if config.caption.init_from_pretrain else ('tokenizer',)
+  return ()
+
+
+def check_stage_inputs(config, workdir: str) -> None:
+  """Raises UserError, before any training, when a stage to train needs the checkpoint of a
+  stage that has none in `workdir` and does not run earlier in `config.stages`."""
+  planned = []
+  for stage in config.stages:
+    if not os.path.exists(train.stage_done_path(workdir, stage)):
+      for need in _inputs_of(config, stage):
+        if need not in planned and not checkpointing.has_checkpoint(workdir, need):
+          extra = (' or set --config.caption.init_from_pretrain=False'
+                   if (stage, need) == ('caption', 'pretrain') else '')
+          raise errors.UserError(
+              f'the {stage} stage starts from the {need} checkpoint, but '
+              f'{os.path.join(workdir, need)} has none; run the {need} stage first (e.g. '
+              f'--config.stages=\'("{need}", "{stage}")\'){extra}')
+    planned.append(stage)
+
+
 def run_all(config, workdir: str) -> dict:
   """Trains every stage of `config.stages` (skipping finished ones) and evaluates on test."""
   t0 = time.time()
+  check_stage_inputs(config, workdir)
   for stage in config.stages:
     done = train.stage_done_path(workdir, stage)
     if os.path.exists(done):

@@ -240,13 +240,15 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   best_value = None
   start = 0
   if ckpts.latest_step() is not None:
+    # Before restoring: a checkpoint of another model would fail inside orbax on its shapes.
+    checkpointing.check_config_compatible((checkpointing.latest_meta(ckpts) or {}).get('config'),
+                                          config, task.name)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             state, state_sh)
     state, data_state, meta = ckpts.restore_latest(abstract)
     train_iter.set_state(data_state)
     start = int(jax.device_get(state.step))
     best_value = meta.get('best_value')
-    checkpointing.check_config_compatible(meta.get('config'), config, task.name)
     print(f'[{task.name}] resumed from step {start} ({stage_dir})', flush=True)
   elif task.restore_init is not None:
     params = task.restore_init(jax.device_get(state.params), config, workdir)
@@ -292,9 +294,11 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
       if not bool(jax.device_get(finite)):
         bad = next(i for i, m in enumerate(pending) if not bool(jax.device_get(m['finite'])))
         bad_step = step - len(pending) + 1 + bad
+        where = (f'the last good checkpoint is step {last_good} in '
+                 f'{os.path.join(stage_dir, "checkpoints")}' if last_good is not None else
+                 'there is no good checkpoint yet')
         raise errors.UserError(
-            f'{task.name}: the loss or gradient became non-finite at step {bad_step}; the last '
-            f'good checkpoint is step {last_good} in {os.path.join(stage_dir, "checkpoints")} '
+            f'{task.name}: the loss or gradient became non-finite at step {bad_step}; {where} '
             '(lower the learning rate or check the data, then rerun to resume from it)')
       if is_log:
         means = {k: float(np.mean([float(m[k]) for m in pending])) for k in pending[-1]

@@ -7,9 +7,12 @@ README.md in this folder for the statistics and build times. Build with `build(.
 """
 
 import dataclasses
+import glob
 import multiprocessing
 import os
+import shutil
 
+from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
 import tqdm
@@ -166,7 +169,8 @@ def check_config_name(name: str) -> None:
 
 def build(config_name: str, data_dir: str, *, num_workers: int | None = None) -> Builder:
   """Prepares `synthetic_change/<config_name>` in `data_dir` (array_record); skips it when
-  already prepared.
+  already prepared. A build killed earlier leaves no complete dataset, only a temporary
+  directory, which this call removes before building again.
 
   Args:
     config_name: 'tiny', 'small' or 'full'.
@@ -188,8 +192,27 @@ def build(config_name: str, data_dir: str, *, num_workers: int | None = None) ->
   if is_prepared(builder):
     return builder
   _check_writable(data_dir)
+  remove_incomplete_builds(builder)
   builder.download_and_prepare(file_format='array_record')
   return builder
+
+
+def remove_incomplete_builds(builder: tfds.core.DatasetBuilder) -> list[str]:
+  """Deletes the temporary directories of interrupted builds of `builder`'s config.
+
+  TFDS builds into `<data_dir>/synthetic_change/<config>/incomplete.<random>_<version>/` and
+  renames it when complete, so a killed build leaves only that directory; the next build removes
+  it (so never build the same config into the same data_dir twice at once).
+
+  Returns:
+    The removed directories.
+  """
+  parent = os.path.dirname(os.fspath(builder.data_path))
+  stale = glob.glob(os.path.join(parent, f'incomplete.*_{builder.version}'))
+  for d in stale:
+    logging.warning('removing %s, left by an interrupted build', d)
+    shutil.rmtree(d, ignore_errors=True)
+  return stale
 
 
 def is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
