@@ -211,3 +211,12 @@ def test_contact_sheet(tiny_dir, tmp_path):
                       '--per_type', '1'])
   with PIL.Image.open(out) as img:
     assert img.width > 20 * TINY.image_size and img.height > 6 * TINY.image_size
+
+
+def test_build_function_survives_importing_the_command_module(tmp_path):
+  """`import tfds_builders.synthetic_change.build` (the command) rebinds the package attribute
+  `build`; the package's `build(config, data_dir)` must keep working after it."""
+  import importlib
+  importlib.import_module('tfds_builders.synthetic_change.build')
+  with pytest.raises(errors.UserError, match='unknown synthetic_change config'):
+    synthetic_change.build('medium', str(tmp_path))
