@@ -76,21 +76,83 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P('data', *([None] * (ndim - 1))))
 
 
+def process_data_slices(mesh: Mesh) -> tuple[int, int]:
+  """(first, count): the contiguous 'data' positions of the mesh that this process's devices
+  occupy. One process: (0, mesh.shape['data']).
+
+  A process feeds the rows of the global batch that belong to those positions; processes that
+  share positions (a 'model' axis spanning processes) feed the same rows.
+
+  Raises:
+    UserError: this process's devices hold non-contiguous 'data' positions (build the mesh with
+      `make_mesh`, which keeps each process's devices together).
+  """
+  me = jax.process_index()
+  rows = sorted({int(i) for (i, _), d in np.ndenumerate(mesh.devices) if d.process_index == me})
+  if not rows:
+    raise errors.UserError(f'process {me} has no device in the mesh {dict(mesh.shape)}')
+  if rows != list(range(rows[0], rows[-1] + 1)):
+    raise errors.UserError(f'process {me} holds non-contiguous data positions {rows} of the mesh; '
+                           'order the devices by process (sharding.make_mesh does)')
+  return rows[0], len(rows)
+
+
+def process_batch_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+  """[start, stop): the rows of a global batch of `global_batch` this process feeds.
+
+  Contiguous, so the global batch assembled from every process's rows is in the same order as
+  a one-process run's (losses that pair rows, like stage 1's swapped captions, stay equal).
+  """
+  data = mesh.shape['data']
+  if global_batch % data:
+    raise errors.UserError(f'batch size {global_batch} is not divisible by the mesh data axis '
+                           f'({data})')
+  first, count = process_data_slices(mesh)
+  per = global_batch // data
+  return first * per, (first + count) * per
+
+
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
   """Places a host batch (numpy) on the mesh, batch axis over 'data'.
 
-  Under multi-process runs each process passes its local share of the global batch.
+  Under multi-process runs each process passes its own rows (`process_batch_rows`) of the
+  global batch, whose size follows from the mesh.
   """
   out = {}
+  scale = None
+  if jax.process_count() > 1:
+    _, count = process_data_slices(mesh)
+    scale = mesh.shape['data'] // count  # global rows per local row
   for k, v in batch.items():
     v = np.asarray(v)
     sharding = batch_sharding(mesh, v.ndim)
-    if jax.process_count() == 1:
+    if scale is None:
       out[k] = jax.device_put(v, sharding)
     else:
-      out[k] = jax.make_array_from_process_local_data(sharding, v)
+      global_shape = (v.shape[0] * scale,) + v.shape[1:]
+      out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
   return out
 
 
 def unbox(tree: Any) -> Any:
   return nn.meta.unbox(tree)
+
+
+# Parameter axis names (docs/architecture.md). Activations use 'batch' and 'length'.
+PARAM_AXES = ('embed', 'mlp', 'heads', 'vocab', 'codebook', 'conv_in', 'conv_out', 'norm', 'pos',
+              'text_vocab')
+
+
+def fsdp_rules(rules, min_axes: Sequence[str] = ('norm', 'pos')) -> tuple:
+  """`rules` with every parameter axis name mapped to 'model' (FSDP-style sharding).
+
+  `_spec_for` gives each array the 'model' axis on its first dimension that 'model' divides, so
+  every matrix and embedding table (and the optimiser state that mirrors it) is split over
+  'model' and XLA all-gathers it where it is used. Names in `min_axes` (small vectors and
+  position tables) keep their rule. Activation rules ('batch', 'length') are unchanged.
+  """
+  rule_map = dict(rules)
+  for name in PARAM_AXES:
+    if name not in min_axes:
+      rule_map[name] = 'model'
+  return tuple(rule_map.items())

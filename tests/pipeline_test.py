@@ -46,6 +46,19 @@ def test_train_batches_are_deterministic(tiny_config, tmp_path):
   assert not np.array_equal(a[0]['example_index'], c[0]['example_index'])
 
 
+def test_process_rows_assemble_the_global_batch(tiny_config, tmp_path):
+  """Multi-process reading: each process's rows of global batch i, stacked in process order,
+  are exactly the one-process batch i (stage 1's swapped captions pair rows across processes)."""
+  full = pipeline.make_train_dataset(tiny_config, str(tmp_path), 8, seed=1)
+  parts = [pipeline.make_train_dataset(tiny_config, str(tmp_path), 8, seed=1, rows=r)
+           for r in ((0, 2), (2, 4), (4, 6), (6, 8))]
+  for i in (0, 3):
+    for k in full[i]:
+      np.testing.assert_array_equal(np.concatenate([p[i][k] for p in parts]), full[i][k], k)
+  with pytest.raises(errors.UserError, match='do not split'):
+    pipeline.make_train_dataset(tiny_config, str(tmp_path), 8, seed=1, rows=(0, 3))
+
+
 def test_iterator_state_reproduces_the_next_batch(tiny_config, tmp_path):
   it = pipeline.make_train_iterator(tiny_config, str(tmp_path), 4, seed=0)
   for _ in range(3):

@@ -217,25 +217,38 @@ def _indexed(src):
   return grain.MapDataset.source(src).map_with_index(lambda i, r: (i, r))
 
 
-def make_train_dataset(config, workdir: str, batch_size: int, seed: int) -> grain.MapDataset:
+def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
+                       rows: tuple[int, int] | None = None) -> grain.MapDataset:
   """An endless, per-epoch reshuffled MapDataset of training batches for this process.
 
-  Every process reads its own share (`process_index::process_count`) of each global batch.
+  Args:
+    config: the run config.
+    workdir: the run's workdir (finds the dataset).
+    batch_size: the GLOBAL batch size B.
+    seed: shuffling and per-example randomness.
+    rows: [start, stop), the rows of every global batch this process reads
+      (`sharding.process_batch_rows(mesh, B)`); None = all rows (one process).
+
+  Global batch i is examples [i B, (i + 1) B) of one shuffled stream whatever the number of
+  processes; a process reads only its rows of it (lazily: it transforms no other example), so
+  the assembled global batch equals a one-process run's batch, row for row.
   """
-  import jax  # local: keep the data module importable without initialising jax
   src = open_source(config, workdir, 'train')
   if len(src) < batch_size:
     raise errors.UserError(f'the train split has {len(src)} examples, fewer than the batch size '
                            f'{batch_size}; lower the batch size or build a larger dataset')
   transform = make_transform(config, workdir, train=True)
-  n_proc, proc = jax.process_count(), jax.process_index()
-  if batch_size % n_proc:
-    raise errors.UserError(f'batch size {batch_size} is not divisible by the {n_proc} processes')
   ds = _indexed(src).seed(seed).shuffle().repeat(None)
   ds = ds.random_map(lambda ir, rng: transform(ir[1], ir[0], rng))
-  if n_proc > 1:
-    ds = ds[proc::n_proc]
-  return ds.batch(batch_size // n_proc, drop_remainder=True)
+  start, stop = rows if rows is not None else (0, batch_size)
+  local = stop - start
+  if local <= 0 or batch_size % local or start % local:
+    raise errors.UserError(f'rows [{start}, {stop}) do not split a batch of {batch_size} evenly')
+  # Chunks of `local` examples; chunk i * (B / local) + start / local is this process's part of
+  # global batch i.
+  ds = ds.batch(local, drop_remainder=True)
+  chunks = batch_size // local
+  return ds[start // local::chunks] if chunks > 1 else ds
 
 
 class TrainIterator:
