@@ -147,6 +147,8 @@ _SHAPE_KEYS = {
     'caption': ('caption.model', 'pretrain.model', 'tokenizer.model', 'data.image_size',
                 'data.num_keyframes', 'data.name'),
 }
+# Model entries that change neither the parameters nor the values computed (memory only).
+_IGNORED_KEYS = frozenset({'pretrain.model.remat'})
 
 
 def _lookup(d: dict, dotted: str):
@@ -172,7 +174,7 @@ def config_differences(saved: dict, config, stage: str) -> list[str]:
   diffs = []
   for key in _SHAPE_KEYS[stage]:
     a, b = _flat(key, _lookup(saved, key)), _flat(key, _lookup(current, key))
-    for k in sorted(set(a) | set(b)):
+    for k in sorted((set(a) | set(b)) - _IGNORED_KEYS):
       if _norm(a.get(k)) != _norm(b.get(k)):
         diffs.append(f'{k}: checkpoint {a.get(k)!r} vs config {b.get(k)!r}')
   return diffs

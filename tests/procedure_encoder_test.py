@@ -263,3 +263,23 @@ def test_embedding_std_sets_every_embedding_table(std):
     np.testing.assert_allclose(np.std(np.asarray(table)), std, rtol=0.35)
   block = np.asarray(params['resblocks_0']['attn']['in_proj']['kernel'])
   np.testing.assert_allclose(np.std(block), 64 ** -0.5, rtol=0.1)
+
+
+def test_remat_keeps_parameters_values_and_gradients():
+  """`remat=True` recomputes block activations in the backward pass: the same parameter tree,
+  outputs and gradients as without it."""
+  kw = dict(KW, depth=2)
+  plain, remat = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, remat=True)
+  text, feats, mask = _inputs()
+  params = plain.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  params_r = remat.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  assert jax.tree.structure(params) == jax.tree.structure(params_r)
+
+  def loss(p, model):
+    out = model.apply({'params': p}, text, feats, mask, use_rel=True)
+    return jnp.sum(out['frame_logits'] ** 2) + jnp.sum(out['rel_logit']) + jnp.sum(out['vid_logit'])
+
+  (v, g), (v_r, g_r) = (jax.value_and_grad(loss)(params, m) for m in (plain, remat))
+  np.testing.assert_allclose(v_r, v, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_r)):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

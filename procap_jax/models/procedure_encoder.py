@@ -137,6 +137,9 @@ class ProcedureEncoder(nn.Module):
       positions, the unused image_emb). 1.0 is the original's (torch nn.Embedding and
       lucidrains' axial embedding defaults); from scratch, a small value (e.g. 0.02) lets the
       frame content outweigh the positions at init (docs/fidelity.md).
+    remat: recompute each block's activations in the backward pass instead of keeping them
+      (`nn.remat`): the same values and parameter tree, far less memory for some extra compute
+      (docs/performance.md).
     dtype: computation dtype of the matmuls (parameters are float32).
   """
   width: int
@@ -150,6 +153,7 @@ class ProcedureEncoder(nn.Module):
   feature_dim: int
   codebook_size: int
   embedding_std: float = 1.0
+  remat: bool = False
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -165,9 +169,9 @@ class ProcedureEncoder(nn.Module):
         'image_mask', nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)), (d,))
     self.conv_to_embedding = layers.LayerNormDense(d, (None, 'embed'), dtype=self.dtype)
     self.target_pos_emb = AxialPositionEmbedding((self.num_frames,) + tuple(self.grid), d, std)
-    self.resblocks = [
-        layers.ResidualAttentionBlock(d, self.heads, self.mlp_ratio, self.depth, self.dtype)
-        for _ in range(self.depth)]
+    block = nn.remat(layers.ResidualAttentionBlock) if self.remat else layers.ResidualAttentionBlock
+    self.resblocks = [block(d, self.heads, self.mlp_ratio, self.depth, self.dtype)
+                      for _ in range(self.depth)]
     self.to_logits = layers.LayerNormDense(self.codebook_size, ('embed', 'vocab'), self.dtype)
     self.to_logits_rel = layers.LayerNormDense(1, ('embed', None), self.dtype)
     self.to_logits_vid = layers.LayerNormDense(1, ('embed', None), self.dtype)
