@@ -1,20 +1,30 @@
-r"""Train-step throughput, MFU and peak memory of a stage, on batches of the batch contract.
+r"""Train-step throughput, MFU and memory of a stage, on batches of the batch contract.
 
-  python -m bench.train_step --config configs/synthetic.py:tiny --stage pretrain
+  python -m bench.train_step --config configs/synthetic.py:tiny                # all stages
   python -m bench.train_step --config configs/synthetic.py --stage caption --steps 10
-  python -m bench.train_step --config configs/clevr_change.py:paper --stage pretrain --steps 2
-  python -m bench.train_step ... --dtype bfloat16        # bf16 compute, f32 params/accumulation
+  python -m bench.train_step --config configs/synthetic.py --dtype both        # f32 and bf16
+  python -m bench.train_step --config configs/clevr_change.py:paper --stage pretrain \
+      --batch 8 --steps 1 --compile_only                                      # memory analysis
 
-Prints one JSON line: config, stage, batch, step seconds, samples/s, tokens/s, model FLOPs per
-step (XLA cost analysis of the compiled step), MFU against a matmul of the same precision
-measured in this process, peak RSS. Random uint8 images and captions stand in for data and a
-randomly initialised tokenizer for the frozen one: throughput does not depend on the values.
+Prints one JSON line per (stage, dtype), each measured in a fresh process (so `peak_rss_gib` is
+that measurement's own high-water mark; `--in_process` measures in this process instead):
+config, stage, dtype, batch, step seconds (median and best), samples/s, tokens/s, model FLOPs
+per step (XLA cost analysis of the compiled step), MFU against a matmul of the same precision
+measured in the same process (median step: `mfu`; best step against the best matmul:
+`mfu_best`), the compiled step's memory analysis (argument / output / temp GiB) and peak RSS.
+
+Tokens per sample are the sequence positions the stage's transformer sees (frame tokens + text
+slots + special tokens; pixels of one frame for the tokenizer). Random uint8 images and captions
+stand in for data and a randomly initialised tokenizer for the frozen one: throughput does not
+depend on the values. `--set key=value` overrides a config value (Python literal).
 """
 
 import argparse
+import ast
 import importlib
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,11 +34,25 @@ from procap_jax import sharding
 from procap_jax import train
 from procap_jax.models import vqgan
 
+STAGES = ('tokenizer', 'pretrain', 'caption')
 
-def load_config(spec: str):
+
+def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()):
+  """`file.py[:preset]` -> ConfigDict, with `key.sub=value` overrides applied."""
   path, _, arg = spec.partition(':')
   module = importlib.import_module(path.removesuffix('.py').replace('/', '.'))
-  return module.get_config(arg or None)
+  config = module.get_config(arg or None)
+  for item in overrides:
+    key, _, value = item.partition('=')
+    node = config
+    *parents, leaf = key.split('.')
+    for part in parents:
+      node = node[part]
+    try:
+      node[leaf] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      node[leaf] = value
+  return config
 
 
 def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
@@ -51,27 +75,28 @@ def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
 
 
 def random_tokenizer(config) -> dict:
+  """Randomly initialised VQGAN 'params' of `config.tokenizer.model` (host numpy)."""
   model = vqgan.VQGAN(**config.tokenizer.model)
   s = config.data.image_size
   variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros([1, s, s, 3]))
-  return jax.tree.map(np.asarray, jax.device_get(nn_unbox(variables['params'])))
+  return jax.tree.map(np.asarray, jax.device_get(nn.meta.unbox(variables['params'])))
 
 
-def nn_unbox(tree):
-  import flax.linen as nn
-  return nn.meta.unbox(tree)
-
-
-def prepare(config, stage: str, batch_size: int):
-  """(task, model, step_fn, state, batch, constants, rng) ready to time."""
-  from procap_jax import stages
+def fill_vocab_sizes(config) -> None:
+  """Vocabulary sizes that would come from the dataset (80 = CLEVR-Change's), in place."""
   if not config.pretrain.model.text_vocab_size:
     config.pretrain.model.text_vocab_size = 80
   if not config.caption.model.vocab_size:
     config.caption.model.vocab_size = 80
   config.caption.init_from_pretrain = False
+
+
+def prepare(config, stage: str, batch_size: int, mesh=None):
+  """(step_fn, state, batch, constants, rng) ready to time, on `mesh` (default from config)."""
+  from procap_jax import stages
+  fill_vocab_sizes(config)
   task = stages.TASKS[stage]
-  mesh = sharding.mesh_from_config(config)
+  mesh = mesh if mesh is not None else sharding.mesh_from_config(config)
   model = task.build_model(config)
   tx = task.make_optimizer(config, 1000)
   batch = fake_batch(config, batch_size)
@@ -86,54 +111,91 @@ def prepare(config, stage: str, batch_size: int):
 
 
 def tokens_per_sample(config, stage: str) -> int:
+  """Sequence positions per sample: pixels of one frame (tokenizer), else frame tokens + text
+  slots + special tokens of the procedure encoder."""
   if stage == 'tokenizer':
-    return config.data.image_size ** 2  # pixels of one frame (frames_per_example frames)
+    frames = int(config.tokenizer.train.frames_per_example) or config.data.num_keyframes + 2
+    return config.data.image_size ** 2 * frames
   gh, gw = config.pretrain.model.grid
   frames = (config.data.num_keyframes + 2) * gh * gw
   return frames + config.data.max_caption_len + 3
 
 
-def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str) -> dict:
-  config = load_config(config_spec)
+def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
+        overrides: list[str] | tuple[str, ...] = (), compile_only: bool = False) -> dict:
+  """Measures one stage's train step; returns the JSON record (see the module docstring)."""
+  config = load_config(config_spec, overrides)
   config.compute_dtype = dtype
   batch_size = batch_size or int(config[stage].train.batch_size)
   step, state, batch, constants, rng = prepare(config, stage, batch_size)
-  flops = common.compiled_flops(step, state, batch, constants, rng)
   t0 = time.perf_counter()
-  state, metrics = step(state, batch, constants, rng)
+  compiled = step.lower(state, batch, constants, rng).compile()
+  compile_s = time.perf_counter() - t0
+  flops = common.compiled_flops(compiled)
+  record = {
+      'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
+      'devices': jax.device_count(), 'batch': batch_size, 'overrides': list(overrides) or None,
+      'compile_s': compile_s, 'step_gflop': flops / 1e9 if flops else None,
+      **common.memory_gib(compiled),
+  }
+  if compile_only:
+    record['peak_rss_gib'] = common.peak_rss_gib()
+    return record
+  peak = common.matmul_peak_flops(dtype)
+  t0 = time.perf_counter()
+  state, metrics = compiled(state, batch, constants, rng)
   jax.block_until_ready(metrics)
-  compile_and_first = time.perf_counter() - t0
+  first = time.perf_counter() - t0
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, metrics = step(state, batch, constants, rng)
+    state, metrics = compiled(state, batch, constants, rng)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t0)
-  sec = float(np.median(times))
-  peak = common.matmul_peak_flops(dtype)
-  record = {
-      'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
-      'devices': jax.device_count(), 'batch': batch_size, 'steps_timed': steps,
-      'step_s': sec, 'first_step_s': compile_and_first, 'samples_per_s': batch_size / sec,
+  if not times:
+    times = [first]
+  peak = max(peak, common.matmul_peak_flops(dtype))
+  sec, best = float(np.median(times)), float(np.min(times))
+  devices = jax.device_count()
+  record.update({
+      'steps_timed': len(times), 'step_s': sec, 'step_s_best': best, 'first_step_s': first,
+      'samples_per_s': batch_size / sec,
       'tokens_per_s': batch_size * tokens_per_sample(config, stage) / sec,
-      'step_gflop': flops / 1e9 if flops else None,
       'matmul_peak_gflops': peak / 1e9,
-      'mfu': (flops / sec) / (peak * jax.device_count()) if flops else None,
+      'mfu': (flops / sec) / (peak * devices) if flops else None,
+      'mfu_best': (flops / best) / (peak * devices) if flops else None,
       'loss': float(metrics['loss']), 'peak_rss_gib': common.peak_rss_gib(),
-  }
+  })
   return record
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', default='configs/synthetic.py:tiny')
-  parser.add_argument('--stage', default='all', choices=('all', 'tokenizer', 'pretrain', 'caption'))
+  parser.add_argument('--stage', default='all', choices=('all',) + STAGES)
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--batch', type=int, default=None)
-  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
+  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16', 'both'))
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help='config override, e.g. --set pretrain.fused_forwards=False')
+  parser.add_argument('--compile_only', action='store_true',
+                      help='only compile: FLOPs and the memory analysis, no timing')
+  parser.add_argument('--in_process', action='store_true',
+                      help='measure in this process (peak RSS then covers every measurement)')
   args = parser.parse_args()
-  for stage in (('tokenizer', 'pretrain', 'caption') if args.stage == 'all' else (args.stage,)):
-    common.emit(run(args.config, stage, args.steps, args.batch, args.dtype))
+  stages = STAGES if args.stage == 'all' else (args.stage,)
+  dtypes = ('float32', 'bfloat16') if args.dtype == 'both' else (args.dtype,)
+  for stage in stages:
+    for dtype in dtypes:
+      if args.in_process or (len(stages) == 1 and len(dtypes) == 1):
+        common.emit(run(args.config, stage, args.steps, args.batch, dtype, args.set,
+                        args.compile_only))
+        continue
+      child = ['--config', args.config, '--stage', stage, '--steps', str(args.steps),
+               '--dtype', dtype, *(['--batch', str(args.batch)] if args.batch else []),
+               *[f'--set={s}' for s in args.set], *(['--compile_only'] if args.compile_only else [])]
+      for record in common.run_child('bench.train_step', child):
+        common.emit(record)
 
 
 if __name__ == '__main__':
