@@ -45,7 +45,6 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
   p.text_vocab_size = 49408                      # CLIP BPE table rows, for checkpoint conversion
   p.grid, p.feature_dim, p.codebook_size, p.num_frames = (14, 14), 256, 1024, 4
-  p.remat = True                  # stage 1 at batch 8 in far less memory (docs/performance.md)
   pt = config.pretrain.train
   pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'
   pt.eval_every, pt.checkpoint_every, pt.log_every = 5000, 5000, 100

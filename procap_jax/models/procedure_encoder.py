@@ -138,8 +138,8 @@ class ProcedureEncoder(nn.Module):
       lucidrains' axial embedding defaults); from scratch, a small value (e.g. 0.02) lets the
       frame content outweigh the positions at init (docs/fidelity.md).
     remat: recompute each block's activations in the backward pass instead of keeping them
-      (`nn.remat`): the same values and parameter tree, far less memory for some extra compute
-      (docs/performance.md).
+      (`nn.remat`): the same values and parameter tree. Meant for accelerators; XLA:CPU
+      schedules the recomputation early and saves no memory (docs/performance.md).
     dtype: computation dtype of the matmuls (parameters are float32).
   """
   width: int
