@@ -117,6 +117,8 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
   p.loss_weights = ml_collections.ConfigDict(dict(msm=7.0, align=0.5, csy=0.5))
   p.csy_normalisation = 'code'         # 'code': fully masked samples in the numerator only; 'mean'
   p.fused_forwards = True              # the 3 stage-1 forwards as one call of batch 3B (same losses)
+  p.binary_inputs = 'masked'           # match/consistency judged on: 'masked' frames (original)
+                                       # | 'visible' frames (a 4th forward; docs/fidelity.md)
   p.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 400}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 8}[preset],

@@ -26,6 +26,7 @@ _CHOICES = {
     'caption.decoding.method': ('greedy', 'beam'),
     'caption.train.loss_reduction': ('sum', 'mean'),
     'pretrain.csy_normalisation': ('code', 'mean'),
+    'pretrain.binary_inputs': ('masked', 'visible'),
     'compute_dtype': ('float32', 'bfloat16'),
 }
 STAGES = ('tokenizer', 'pretrain', 'caption')

@@ -165,18 +165,41 @@ def test_init_params_and_build_model(setup):
   assert isinstance(pretrain.TASK, train.Task) and pretrain.TASK.name == 'pretrain'
 
 
-def test_fused_forwards_give_the_same_losses(setup):
+@pytest.mark.parametrize('inputs', ['masked', 'visible'])
+def test_fused_forwards_give_the_same_losses(setup, inputs):
   config, model, params, constants = setup
   batch = _batch(np.random.default_rng(1), 6)
   results = []
   for fused in (True, False):
-    cfg = _config(fused_forwards=fused)
+    cfg = _config(fused_forwards=fused, binary_inputs=inputs)
     loss, (metrics, _) = jax.jit(lambda p, b, r: TASK.loss_fn(p, {}, constants, b, r, cfg, model))(
         params, batch, jax.random.PRNGKey(3))
     results.append(jax.device_get(metrics))
   for k in results[0]:
     np.testing.assert_allclose(results[0][k], results[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
   assert results[0]['loss_align'] > 0 and results[0]['loss_csy'] > 0
+
+
+def test_visible_binary_inputs_change_only_the_binary_losses(setup):
+  """'visible' keeps the masked reconstruction forward (same L_msm as 'masked') and judges the
+  match on unmasked frames, so L_align no longer depends on the random masks (the key)."""
+  _, model, params, constants = setup
+  batch = _batch(np.random.default_rng(1), 6)
+  out = {}
+  for inputs in ('masked', 'visible'):
+    cfg = _config(binary_inputs=inputs)
+    loss = jax.jit(lambda p, b, r, cfg=cfg: TASK.loss_fn(p, {}, constants, b, r, cfg, model)[1][0])
+    for seed in (3, 4):  # two keys: other masks
+      out[inputs, seed] = jax.device_get(loss(params, batch, jax.random.PRNGKey(seed)))
+  for seed in (3, 4):
+    np.testing.assert_allclose(out['visible', seed]['loss_msm'], out['masked', seed]['loss_msm'],
+                               rtol=1e-6)
+  np.testing.assert_allclose(out['visible', 3]['loss_align'], out['visible', 4]['loss_align'],
+                             rtol=1e-6)
+  assert abs(out['masked', 3]['loss_align'] - out['masked', 4]['loss_align']) > 1e-5
+  with pytest.raises(ValueError, match='binary_inputs'):
+    TASK.loss_fn(params, {}, constants, batch, jax.random.PRNGKey(3),
+                 _config(binary_inputs='both'), model)
 
 
 def test_a_few_hundred_steps_reduce_every_loss(setup):

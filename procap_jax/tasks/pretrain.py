@@ -7,6 +7,8 @@ One step (the original's three transformer forwards, optionally fused into one o
   1. positive:  [REL] caption [ST1] [VID] + masked frame tokens -> L_msm logits, rel+, vid+
   2. rel-:      the same frame tokens with the control block swapped along the batch
   3. vid-:      corrupted clips (re-encoded by the frozen tokenizer), same mask and caption
+With `binary_inputs='visible'` (not the original's) rel+, vid+, rel- and vid- come instead from
+three forwards on unmasked frames (4 forwards, batch 4B fused); forward 1 only gives L_msm.
 Losses:
   L_msm   = CE over the codebook on masked positions, token-level mean over the batch
   L_align = sum_i m_i [BCE(rel+_i, 1) + BCE(rel-_i, 0)] / max(1, sum_i m_i)
@@ -37,6 +39,7 @@ from procap_jax.models import vqgan
 from procap_jax.tasks import corruptions
 from procap_jax.tasks import masking
 
+BINARY_INPUTS = ('masked', 'visible')  # what the match and consistency heads judge
 SUM_KEYS = ('msm_ce', 'msm_correct', 'msm_count', 'align_sum', 'included', 'match_correct',
             'match_pair_correct', 'csy_sum_all', 'csy_sum_included', 'csy_correct',
             'csy_pair_correct')
@@ -149,24 +152,36 @@ def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.A
   features_neg = _encode_clips(tokenizer.encode_features, tokenizer_params, corrupted)
   text_swapped = swap_batch(text)
 
-  if config.pretrain.fused_forwards:
-    out = model.apply({'params': params}, jnp.concatenate([text, text_swapped, text]),
-                      jnp.concatenate([features, features, features_neg]),
-                      jnp.concatenate([masks.mask] * 3), use_rel=True)
-    frame_logits = out['frame_logits'][:b]  # [B, T*N, K]
-    rel_pos, rel_neg = out['rel_logit'][:b], out['rel_logit'][b:2 * b]
-    vid_pos, vid_neg = out['vid_logit'][:b], out['vid_logit'][2 * b:]
+  mask = masks.mask  # [B, T, N]
+  fully_masked = masks.fully_masked  # [B]
+  inputs = config.pretrain.binary_inputs
+  if inputs not in BINARY_INPUTS:
+    raise ValueError(f'config.pretrain.binary_inputs must be one of {BINARY_INPUTS}, '
+                     f'got {inputs!r}')
+  # Forwards as (text, features, mask): the original takes the match and consistency positives
+  # from the masked reconstruction forward and gives the negatives the same mask ('masked');
+  # 'visible' judges all three on unmasked frames, in a separate positive forward.
+  clear = jnp.zeros_like(mask)
+  if inputs == 'masked':
+    forwards = [(text, features, mask), (text_swapped, features, mask),
+                (text, features_neg, mask)]
   else:
-    apply = lambda txt, feats: model.apply({'params': params}, txt, feats, masks.mask,
-                                           use_rel=True)
-    pos, neg_rel, neg_vid = apply(text, features), apply(text_swapped, features), apply(
-        text, features_neg)
-    frame_logits = pos['frame_logits']
-    rel_pos, rel_neg = pos['rel_logit'], neg_rel['rel_logit']
-    vid_pos, vid_neg = pos['vid_logit'], neg_vid['vid_logit']
+    forwards = [(text, features, mask), (text, features, clear), (text_swapped, features, clear),
+                (text, features_neg, clear)]
+    fully_masked = jnp.zeros_like(fully_masked)  # no binary decision sees a masked frame
+  if config.pretrain.fused_forwards:
+    out = model.apply({'params': params}, *(jnp.concatenate(x) for x in zip(*forwards)),
+                      use_rel=True)
+    outs = [jax.tree.map(lambda x, i=i: x[i * b:(i + 1) * b], out) for i in range(len(forwards))]
+  else:
+    outs = [model.apply({'params': params}, *f, use_rel=True) for f in forwards]
+  pos, neg_rel, neg_vid = outs[-3:]
+  frame_logits = outs[0]['frame_logits']
+  rel_pos, rel_neg = pos['rel_logit'], neg_rel['rel_logit']
+  vid_pos, vid_neg = pos['vid_logit'], neg_vid['vid_logit']
 
-  return statistics_from_logits(frame_logits, codes, masks.mask.reshape(b, -1),
-                                masks.fully_masked, valid, rel_pos, rel_neg, vid_pos, vid_neg)
+  return statistics_from_logits(frame_logits, codes, mask.reshape(b, -1),
+                                fully_masked, valid, rel_pos, rel_neg, vid_pos, vid_neg)
 
 
 def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
