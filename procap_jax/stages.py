@@ -139,6 +139,8 @@ def run_all(config, workdir: str) -> dict:
       _compute_scores(config, workdir, pipeline.scores_path(config, workdir), 'tokenizer')
   if _wants_tokenizer_scores(config, workdir):  # tokenizer finished in an earlier call
     _compute_scores(config, workdir, pipeline.scores_path(config, workdir), 'tokenizer')
+  if 'pretrain' in config.stages:
+    evaluate_pretrain_test(config, workdir)
   results_path = os.path.join(workdir, 'results.json')
   if 'caption' not in config.stages:
     return {}
@@ -159,6 +161,29 @@ def run_all(config, workdir: str) -> dict:
                       imagine_fn=imagine_fn if config.caption.model.use_queries else None)
   print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
   return results
+
+
+def pretrain_test_path(workdir: str) -> str:
+  return os.path.join(workdir, 'pretrain', 'test_metrics.json')
+
+
+def evaluate_pretrain_test(config, workdir: str) -> dict:
+  """Stage-1 metrics of the best (by val loss) checkpoint on the whole test split, computed once
+  and kept in `pretrain/test_metrics.json`: the val split chose the checkpoint, so the figures
+  to report come from test."""
+  path = pretrain_test_path(workdir)
+  if os.path.exists(path):
+    return _read_json(path)
+  task, model, state, constants, step = restore_for_eval(config, workdir, 'pretrain', 'best')
+  batches = pipeline.make_eval_iterator(config, 'test', workdir,
+                                        int(config.pretrain.train.batch_size), num_batches=0)
+  metrics = task.evaluate(state, constants, config, model, 'test', workdir, batches=batches)
+  out = {'split': 'test', 'checkpoint': 'best', 'checkpoint_step': int(step),
+         'selected_on': 'val loss', 'metrics': {k: float(v) for k, v in metrics.items()}}
+  errors.write_text_atomic(path, json.dumps(out, indent=1))
+  print('[pretrain] test (best checkpoint): ' + ', '.join(
+      f'{k} {v:.4g}' for k, v in out['metrics'].items()), flush=True)
+  return out
 
 
 def restore_for_eval(config, workdir: str, stage: str, which: str):
@@ -189,6 +214,7 @@ def evaluate_caption(config, workdir: str, split: str, which: str, restored=None
       'selected_on': 'val', 'metrics': {k: float(v) for k, v in metrics.items()},
       'eval_seconds': time.time() - t0,
       'stages': {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages},
+      'pretrain_test': _read_json(pretrain_test_path(workdir)),
   }
   print(json.dumps({'split': split, **{k: round(v, 4) for k, v in results['metrics'].items()
                                        if '/' not in k}}), flush=True)

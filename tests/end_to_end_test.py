@@ -41,6 +41,10 @@ def test_all_stages_write_results_and_report(finished_run):
   # The tokenizer's validation metrics reached the stage summary.
   with open(train.stage_done_path(workdir, 'tokenizer')) as f:
     assert 'psnr' in json.load(f)['val']
+  # Stage 1 is reported on test from the checkpoint val chose.
+  s1 = saved['pretrain_test']
+  assert s1['split'] == 'test' and s1['selected_on'] == 'val loss'
+  assert 0.0 <= s1['metrics']['match_acc'] <= 1.0 and np.isfinite(s1['metrics']['loss_msm'])
 
 
 def test_rerun_skips_finished_stages(finished_run, capsys):
