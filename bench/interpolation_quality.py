@@ -69,7 +69,7 @@ def main() -> None:
   args = parser.parse_args()
 
   from tfds_builders import synthetic_change  # pylint: disable=g-import-not-at-top (slow)
-  builder = synthetic_change.build(args.config, args.data_dir)
+  builder = synthetic_change.prepare(args.config, args.data_dir)
   source = builder.as_data_source(args.split)
   names = builder.info.features['change_type'].names
   n = len(source) if args.max_pairs <= 0 else min(args.max_pairs, len(source))

@@ -36,7 +36,7 @@ def tiny_data_dir(tmp_path_factory) -> str:
   """The `tiny` synthetic benchmark, built once per test session."""
   from tfds_builders import synthetic_change
   d = str(tmp_path_factory.mktemp('data'))
-  synthetic_change.build('tiny', d)
+  synthetic_change.prepare('tiny', d)
   return d
 
 

@@ -229,8 +229,8 @@ def test_sigkill_during_a_dataset_build_then_rebuild(tiny_data_dir, tmp_path, fa
   assert proc.returncode == -signal.SIGKILL, 'the build finished before the kill'
   assert glob.glob(str(config_dir / 'incomplete.*')) and not (config_dir / '1.0.0').exists()
 
-  builder = synthetic_change.build('tiny', str(data_dir), num_workers=1)
-  reference = synthetic_change.build('tiny', tiny_data_dir)
+  builder = synthetic_change.prepare('tiny', str(data_dir), num_workers=1)
+  reference = synthetic_change.prepare('tiny', tiny_data_dir)
   for split in ('train', 'val', 'test'):
     a, b = builder.as_data_source(split), reference.as_data_source(split)
     assert len(a) == len(b)

@@ -25,7 +25,7 @@ TINY = builder_lib.CONFIGS[0]
 @pytest.fixture(scope='module')
 def tiny_dir(tmp_path_factory) -> str:
   d = str(tmp_path_factory.mktemp('synthetic'))
-  synthetic_change.build('tiny', d, num_workers=1)
+  synthetic_change.prepare('tiny', d, num_workers=1)
   return d
 
 
@@ -43,7 +43,7 @@ def _text(x) -> str:
 
 
 def test_features_and_dtypes(tiny_dir):
-  builder = synthetic_change.build('tiny', tiny_dir)  # already prepared: reused
+  builder = synthetic_change.prepare('tiny', tiny_dir)  # already prepared: reused
   assert builder.info.features['change_type'].names == CHANGE_TYPES
   r = _source(tiny_dir, 'train')[0]
   assert set(r) == {'pair_id', 'scene_id', 'change_type', 'before', 'after', 'frames',
@@ -155,7 +155,7 @@ def test_same_seed_builds_equal_records(tiny_dir, tmp_path, monkeypatch):
   # The module fixture rendered in this process; this build renders train in 2 spawned workers.
   monkeypatch.setattr(builder_lib, '_SCENES_PER_WORKER', 12)  # train only: one pool
   other = str(tmp_path / 'again')
-  synthetic_change.build('tiny', other, num_workers=2)
+  synthetic_change.prepare('tiny', other, num_workers=2)
   for split in scene.SPLITS:
     for a, b in zip(_records(tiny_dir, split), _records(other, split), strict=True):
       assert a.keys() == b.keys()
@@ -170,21 +170,21 @@ def test_same_seed_builds_equal_records(tiny_dir, tmp_path, monkeypatch):
 
 def test_unknown_config_is_a_user_error(tmp_path):
   with pytest.raises(errors.UserError, match='unknown synthetic_change config'):
-    synthetic_change.build('medium', str(tmp_path))
+    synthetic_change.prepare('medium', str(tmp_path))
 
 
 def test_unwritable_data_dir_is_a_user_error(tmp_path):
   blocker = tmp_path / 'a_file'
   blocker.write_text('not a directory')
   with pytest.raises(errors.UserError, match='not writable'):
-    synthetic_change.build('tiny', str(blocker / 'data'))
+    synthetic_change.prepare('tiny', str(blocker / 'data'))
   with pytest.raises(errors.UserError, match='is a file'):
-    synthetic_change.build('tiny', str(blocker))
+    synthetic_change.prepare('tiny', str(blocker))
   if os.geteuid() != 0:  # root writes anywhere: only the path-under-a-file case applies
     locked = tmp_path / 'locked'
     locked.mkdir(mode=0o500)
     with pytest.raises(errors.UserError, match='not writable'):
-      synthetic_change.build('tiny', str(locked))
+      synthetic_change.prepare('tiny', str(locked))
 
 
 def test_cli_prints_statistics_and_fails_with_one_sentence(tiny_dir):
@@ -213,10 +213,10 @@ def test_contact_sheet(tiny_dir, tmp_path):
     assert img.width > 20 * TINY.image_size and img.height > 6 * TINY.image_size
 
 
-def test_build_function_survives_importing_the_command_module(tmp_path):
-  """`import tfds_builders.synthetic_change.build` (the command) rebinds the package attribute
-  `build`; the package's `build(config, data_dir)` must keep working after it."""
+def test_prepare_survives_importing_the_command_module(tmp_path):
+  """`import tfds_builders.synthetic_change.build` (the command) binds the package attribute
+  `build` to the module; the package's `prepare(config, data_dir)` must not be affected."""
   import importlib
   importlib.import_module('tfds_builders.synthetic_change.build')
   with pytest.raises(errors.UserError, match='unknown synthetic_change config'):
-    synthetic_change.build('medium', str(tmp_path))
+    synthetic_change.prepare('medium', str(tmp_path))

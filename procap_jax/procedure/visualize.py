@@ -32,7 +32,7 @@ def _text(x) -> str:
 def synthetic_pairs(data_dir: str, config: str, split: str = 'val', per_type: int = 1):
   """[(title, before, after, oracle frames [T, S, S, 3])], one pair per change type, move first."""
   from tfds_builders import synthetic_change  # pylint: disable=g-import-not-at-top (slow)
-  builder = synthetic_change.build(config, data_dir)
+  builder = synthetic_change.prepare(config, data_dir)
   source = builder.as_data_source(split)
   names = builder.info.features['change_type'].names
   chosen = {}

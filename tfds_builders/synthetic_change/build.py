@@ -5,15 +5,13 @@ r"""Command line: build a synthetic_change config and print its statistics.
 Prints the image size, pairs per split and change type, caption counts and the build time
 (or that the config was already prepared). Exits with status 2 and one sentence on a user
 error (unknown config, unwritable data directory). In Python, call
-`tfds_builders.synthetic_change.build(...)` instead (this module is the command line only).
+`tfds_builders.synthetic_change.prepare(...)` instead (this module is the command line only).
 """
 
 import argparse
 import collections
 import json
-import sys
 import time
-import types
 
 import tensorflow_datasets as tfds
 import tqdm
@@ -109,17 +107,6 @@ def main(argv: list[str] | None = None) -> None:
                          for s in scene.SPLITS)
   print(json.dumps(stats) if args.json else format_statistics(stats), flush=True)
 
-
-
-class _CallableModule(types.ModuleType):
-  """Importing this module sets `tfds_builders.synthetic_change.build` to the module, shadowing
-  the package's `build` function; calling the module therefore does what the function does."""
-
-  def __call__(self, *args, **kwargs):
-    return builder_lib.build(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == '__main__':
   main()
