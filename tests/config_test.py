@@ -64,3 +64,20 @@ def test_unknown_override_key_exits_nonzero(tmp_path):
   assert proc.returncode != 0
   assert 'no_such_key' in (proc.stderr + proc.stdout)
   assert 'Traceback' not in proc.stderr
+
+
+def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
+  """A checkpoint saved before an entry was added to the schema still restores; a changed model
+  entry is named; memory-only entries (remat) are not compared."""
+  from procap_jax import checkpointing
+  config = synthetic.get_config('tiny')
+  saved = config.to_dict()
+  assert checkpointing.config_differences(saved, config, 'pretrain') == []
+  del saved['pretrain']['model']['embedding_std']  # an older checkpoint
+  assert checkpointing.config_differences(saved, config, 'pretrain') == []
+  saved['pretrain']['model']['width'] = 96
+  config.pretrain.model.remat = True
+  diffs = checkpointing.config_differences(saved, config, 'pretrain')
+  assert len(diffs) == 1 and 'pretrain.model.width' in diffs[0], diffs
+  del saved['pretrain']['model']
+  assert checkpointing.config_differences(saved, config, 'pretrain')
