@@ -1,0 +1,163 @@
+r"""Can stage 1's consistency task be learned, and does masking stop it? Probes on cached features.
+
+  python -m bench.probe_consistency --workdir W                    # W: a run with a tokenizer
+  python -m bench.probe_consistency --workdir W --keep 0.2,1.0 --steps 1500
+
+Dimension legend: B batch, T frames, h x w tokenizer grid, C feature channels.
+
+Encodes `--clips` training clips and one L_csy corruption of each (`config.pretrain.corruption`)
+with the run's frozen tokenizer once, keeps 20 % of them aside, and trains on the rest, batch 8,
+Adam, reporting held-out accuracy (each clean and each corrupted clip one decision, chance 0.5):
+
+  mlp       a one-hidden-layer MLP on the per-frame mean features [T * C]: is the task learnable
+            from the features at all, and how fast?
+  encoder   the run's ProcedureEncoder config from scratch with only its [VID] head and L_csy,
+            the same random token mask for the clean and corrupted clip (as in stage 1), once
+            per `--keep` (fraction of tokens kept; the original keeps 0.2; 1.0 = no mask).
+
+One JSON line per evaluation: {probe, keep, step, samples, held_out_acc}.
+"""
+
+import argparse
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bench import common
+from procap_jax import errors
+from procap_jax.data import pipeline
+from procap_jax.tasks import corruptions
+from procap_jax.tasks import pretrain
+
+
+def encode_clips(config, workdir: str, clips: int, seed: int = 0):
+  """(clean [M, T, h, w, C], corrupted [M, T, h, w, C], encoder_text [M, L]) of M training clips."""
+  tokenizer = pretrain.vqgan_tokenizer(config)
+  params = pretrain.load_constants(config, workdir)['tokenizer']
+  ds = pipeline.make_train_dataset(config, workdir, 16, seed)
+
+  @jax.jit
+  def encode(frames, rng):
+    x = frames.astype(jnp.float32) / 255.0  # [B, T, S, S, 3]
+    corrupted, _ = corruptions.corrupt_from_config(rng, x, config)
+    enc = lambda v: pretrain._encode_clips(tokenizer.encode_features, params, v)  # pylint: disable=protected-access
+    return enc(x), enc(corrupted)
+
+  clean, bad, text = [], [], []
+  for i in range(max(1, clips // 16)):
+    batch = ds[i]
+    a, b = encode(jnp.asarray(batch['keyframes']), jax.random.key(seed * 1000 + i))
+    clean.append(np.asarray(a))
+    bad.append(np.asarray(b))
+    text.append(np.asarray(batch['encoder_text']))
+  return np.concatenate(clean), np.concatenate(bad), np.concatenate(text)
+
+
+def _held_out_acc(logit_fn, clean, bad) -> float:
+  return 0.5 * (float(np.mean(logit_fn(clean) > 0)) + float(np.mean(logit_fn(bad) < 0)))
+
+
+def probe_mlp(clean, bad, n_train: int, steps: int, every: int):
+  """Yields records of an MLP on per-frame mean features."""
+  pool = lambda x: x.mean((2, 3)).reshape(len(x), -1)  # [M, T*C]
+  xp, xn = pool(clean), pool(bad)
+  mu, sd = xp[:n_train].mean(0), xp[:n_train].std(0) + 1e-6
+  xp, xn = (xp - mu) / sd, (xn - mu) / sd
+  d = xp.shape[1]
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {'w1': jax.random.normal(k1, (d, 256)) / np.sqrt(d), 'b1': jnp.zeros(256),
+            'w2': jax.random.normal(k2, (256, 1)) / 16.0, 'b2': jnp.zeros(1)}
+  apply = lambda p, x: (jax.nn.gelu(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2'])[:, 0]
+  tx = optax.adam(1e-3)
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(p, o, a, b):
+    x, y = jnp.concatenate([a, b]), jnp.r_[jnp.ones(len(a)), jnp.zeros(len(b))]
+    g = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(apply(p, x), y).mean())(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  rng = np.random.default_rng(0)
+  for s in range(1, steps + 1):
+    i = rng.integers(0, n_train, 8)
+    params, opt = step(params, opt, xp[i], xn[i])
+    if s % every == 0:
+      acc = _held_out_acc(lambda x: np.asarray(apply(params, x)), xp[n_train:], xn[n_train:])
+      yield {'probe': 'mlp', 'keep': None, 'step': s, 'samples': 8 * s, 'held_out_acc': acc}
+
+
+def probe_encoder(config, clean, bad, text, n_train: int, keep: float, steps: int, every: int,
+                  lr: float):
+  """Yields records of the run's ProcedureEncoder trained on L_csy alone with masks keeping
+  `keep` of the tokens."""
+  model = pretrain.build_model(config)
+  params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
+  opt = tx.init(params)
+  t, n = clean.shape[1], clean.shape[2] * clean.shape[3]
+
+  def logits(p, a, b, txt, rng):
+    mask = jax.random.uniform(rng, (a.shape[0], t, n)) >= keep  # True = masked
+    out = model.apply({'params': p}, jnp.concatenate([txt, txt]), jnp.concatenate([a, b]),
+                      jnp.concatenate([mask, mask]), use_rel=True)
+    return out['vid_logit']  # [2B]: clean then corrupted
+
+  @jax.jit
+  def step(p, o, a, b, txt, rng):
+    y = jnp.r_[jnp.ones(len(a)), jnp.zeros(len(b))]
+    g = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(logits(p, a, b, txt, rng), y).mean())(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  evaluate = jax.jit(logits)
+  rng = np.random.default_rng(0)
+  for s in range(1, steps + 1):
+    i = rng.integers(0, n_train, 8)
+    params, opt = step(params, opt, clean[i], bad[i], text[i], jax.random.key(s))
+    if s % every == 0:
+      correct, total = 0.0, 0
+      for j in range(n_train, len(clean), 64):
+        v = np.asarray(evaluate(params, clean[j:j + 64], bad[j:j + 64], text[j:j + 64],
+                                jax.random.key(-1 - j)))
+        k = len(v) // 2
+        correct += float(np.sum(v[:k] > 0) + np.sum(v[k:] < 0))
+        total += 2 * k
+      yield {'probe': 'encoder', 'keep': keep, 'step': s, 'samples': 8 * s,
+             'held_out_acc': correct / total}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--workdir', required=True, help='a run whose tokenizer stage finished')
+  parser.add_argument('--clips', type=int, default=1920)
+  parser.add_argument('--keep', default='0.2,1.0', help='comma-separated token keep fractions')
+  parser.add_argument('--steps', type=int, default=1500)
+  parser.add_argument('--every', type=int, default=100)
+  parser.add_argument('--lr', type=float, default=1e-3)
+  args = parser.parse_args()
+  config_path = os.path.join(args.workdir, 'config.json')
+  if not os.path.exists(config_path):
+    raise SystemExit(f'error: {config_path} does not exist; pass the workdir of a run')
+  from procap_jax import caption as caption_cli
+  config = caption_cli.load_run_config(args.workdir)
+  pipeline.resolve_vocab_sizes(config, args.workdir)
+  try:
+    clean, bad, text = encode_clips(config, args.workdir, args.clips)
+  except errors.UserError as e:
+    raise SystemExit(f'error: {e}') from None
+  n_train = int(0.8 * len(clean))
+  for record in probe_mlp(clean, bad, n_train, args.steps, args.every):
+    common.emit(record)
+  for keep in (float(k) for k in args.keep.split(',') if k):
+    for record in probe_encoder(config, clean, bad, text, n_train, keep, args.steps, args.every,
+                                args.lr):
+      common.emit(record)
+
+
+if __name__ == '__main__':
+  main()
