@@ -2,6 +2,7 @@ r"""Can stage 1's consistency task be learned, and does masking stop it? Probes 
 
   python -m bench.probe_consistency --workdir W                    # W: a run with a tokenizer
   python -m bench.probe_consistency --workdir W --keep 0.2,1.0 --steps 1500
+  python -m bench.probe_consistency --workdir W --task align       # the caption-match head
 
 Dimension legend: B batch, T frames, h x w tokenizer grid, C feature channels.
 
@@ -14,6 +15,8 @@ Adam, reporting held-out accuracy (each clean and each corrupted clip one decisi
   encoder   the run's ProcedureEncoder config from scratch with only its [VID] head and L_csy,
             the same random token mask for the clean and corrupted clip (as in stage 1), once
             per `--keep` (fraction of tokens kept; the original keeps 0.2; 1.0 = no mask).
+            `--task align` trains the [REL] head on L_align instead: the clean clip with its own
+            caption against the same clip with the caption of the sample half a batch away.
 
 One JSON line per evaluation: {probe, keep, step, samples, held_out_acc}.
 """
@@ -92,9 +95,9 @@ def probe_mlp(clean, bad, n_train: int, steps: int, every: int):
 
 
 def probe_encoder(config, clean, bad, text, n_train: int, keep: float, steps: int, every: int,
-                  lr: float):
-  """Yields records of the run's ProcedureEncoder trained on L_csy alone with masks keeping
-  `keep` of the tokens."""
+                  lr: float, task: str = 'csy'):
+  """Yields records of the run's ProcedureEncoder trained on L_csy (or L_align) alone with masks
+  keeping `keep` of the tokens."""
   model = pretrain.build_model(config)
   params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
@@ -103,6 +106,10 @@ def probe_encoder(config, clean, bad, text, n_train: int, keep: float, steps: in
 
   def logits(p, a, b, txt, rng):
     mask = jax.random.uniform(rng, (a.shape[0], t, n)) >= keep  # True = masked
+    if task == 'align':  # positives: own caption; negatives: the same clip, swapped caption
+      out = model.apply({'params': p}, jnp.concatenate([txt, pretrain.swap_batch(txt)]),
+                        jnp.concatenate([a, a]), jnp.concatenate([mask, mask]), use_rel=True)
+      return out['rel_logit']  # [2B]
     out = model.apply({'params': p}, jnp.concatenate([txt, txt]), jnp.concatenate([a, b]),
                       jnp.concatenate([mask, mask]), use_rel=True)
     return out['vid_logit']  # [2B]: clean then corrupted
@@ -127,7 +134,7 @@ def probe_encoder(config, clean, bad, text, n_train: int, keep: float, steps: in
         k = len(v) // 2
         correct += float(np.sum(v[:k] > 0) + np.sum(v[k:] < 0))
         total += 2 * k
-      yield {'probe': 'encoder', 'keep': keep, 'step': s, 'samples': 8 * s,
+      yield {'probe': f'encoder_{task}', 'keep': keep, 'step': s, 'samples': 8 * s,
              'held_out_acc': correct / total}
 
 
@@ -139,6 +146,7 @@ def main():
   parser.add_argument('--steps', type=int, default=1500)
   parser.add_argument('--every', type=int, default=100)
   parser.add_argument('--lr', type=float, default=1e-3)
+  parser.add_argument('--task', default='csy', choices=('csy', 'align'))
   args = parser.parse_args()
   config_path = os.path.join(args.workdir, 'config.json')
   if not os.path.exists(config_path):
@@ -151,11 +159,12 @@ def main():
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
   n_train = int(0.8 * len(clean))
-  for record in probe_mlp(clean, bad, n_train, args.steps, args.every):
-    common.emit(record)
+  if args.task == 'csy':
+    for record in probe_mlp(clean, bad, n_train, args.steps, args.every):
+      common.emit(record)
   for keep in (float(k) for k in args.keep.split(',') if k):
     for record in probe_encoder(config, clean, bad, text, n_train, keep, args.steps, args.every,
-                                args.lr):
+                                args.lr, args.task):
       common.emit(record)
 
 
