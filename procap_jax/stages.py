@@ -42,9 +42,9 @@ def prepare_data(config, workdir: str) -> None:
     t0 = time.time()
     print(f'building {name}/{bc} in {ddir} ...', flush=True)
     if name == 'synthetic_change':
-      module.build(bc, ddir)
+      module.prepare(bc, ddir)
     else:
-      module.build(bc, ddir, manual_dir=config.data.manual_dir)
+      module.prepare(bc, ddir, manual_dir=config.data.manual_dir)
     print(f'built {name}/{bc} in {time.time() - t0:.0f} s', flush=True)
   if config.data.sampler == 'confidence' and not config.data.scores_file:
     path = pipeline.scores_path(config, workdir)

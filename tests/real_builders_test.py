@@ -95,7 +95,7 @@ def clevr(tmp_path_factory, fixtures_dir):
   stale = root / 'data' / 'clevr_change' / 'tiny32' / 'incomplete.ABC123_1.0.0'
   stale.mkdir(parents=True)
   (stale / 'half-written.array_record').write_bytes(b'x')
-  builder = clevr_change.build('tiny32', os.fspath(root / 'data'), os.fspath(man), num_workers=2)
+  builder = clevr_change.prepare('tiny32', os.fspath(root / 'data'), os.fspath(man), num_workers=2)
   return builder, man, stale
 
 
@@ -143,7 +143,7 @@ def test_clevr_incomplete_manual_dir(tmp_path, fixtures_dir):
   (man / 'sc_images' / 'CLEVR_semantic_000013.png').unlink()
   (man / 'nsc_images' / 'CLEVR_nonsemantic_000035.png').unlink()
   with pytest.raises(errors.UserError) as info:
-    clevr_change.build('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
+    clevr_change.prepare('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
   msg = str(info.value)
   assert 'CLEVR_semantic_000013.png' in msg and 'CLEVR_nonsemantic_000035.png' in msg
   assert 'README.md' in msg and '\n' not in msg
@@ -151,17 +151,17 @@ def test_clevr_incomplete_manual_dir(tmp_path, fixtures_dir):
     (man / name).unlink()
   with pytest.raises(errors.UserError, match='no_change_captions.json.*splits.json|splits.json.*'
                      'no_change_captions.json'):
-    clevr_change.build('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
+    clevr_change.prepare('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
   assert not (tmp_path / 'data' / 'clevr_change' / 'tiny32' / '1.0.0').exists()
 
 
 def test_missing_or_unnamed_manual_dir(tmp_path):
   with pytest.raises(errors.UserError, match='does-not-exist'):
-    spot_the_diff.build('tiny32', os.fspath(tmp_path), os.fspath(tmp_path / 'does-not-exist'))
+    spot_the_diff.prepare('tiny32', os.fspath(tmp_path), os.fspath(tmp_path / 'does-not-exist'))
   with pytest.raises(errors.UserError, match='manual directory'):
-    spot_the_diff.build('tiny32', os.fspath(tmp_path), '')
+    spot_the_diff.prepare('tiny32', os.fspath(tmp_path), '')
   with pytest.raises(errors.UserError, match='paper, cpu64'):
-    spot_the_diff.build('huge', os.fspath(tmp_path), os.fspath(tmp_path))
+    spot_the_diff.prepare('huge', os.fspath(tmp_path), os.fspath(tmp_path))
 
 
 # ------------------------------------------------------------------------------ Spot-the-Diff
@@ -190,7 +190,7 @@ def spot(tmp_path_factory, fixtures_dir):
       _stand_in(man / 'resized_images' / f'{e["img_id"]}_2.png', int(e['img_id']) + 1)
   (man / 'spot_word2idx2.json').symlink_to(fixtures_dir / 'procap_vocab' / 'spot_word2idx2.json')
   data_dir = tmp_path_factory.mktemp('spot_data')
-  return spot_the_diff.build('tiny32', os.fspath(data_dir), os.fspath(man), num_workers=1), subset
+  return spot_the_diff.prepare('tiny32', os.fspath(data_dir), os.fspath(man), num_workers=1), subset
 
 
 def test_spot_merges_and_drops(spot):
@@ -240,7 +240,7 @@ def test_corrupt_image_is_a_user_error(tmp_path, fixtures_dir):
   bad = man / 'resized_images' / f'{subset["val"][2]["img_id"]}_2.png'
   bad.write_bytes(bad.read_bytes()[:100])
   with pytest.raises(errors.UserError, match=bad.name):
-    spot_the_diff.build('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
+    spot_the_diff.prepare('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
   config_dir = tmp_path / 'data' / 'spot_the_diff' / 'tiny32'
   assert not config_dir.exists() or os.listdir(config_dir) == []  # nothing half-written
 
@@ -270,7 +270,7 @@ def ier(tmp_path_factory, fixtures_dir):
   man = tmp_path_factory.mktemp('ier_manual')
   subset = _ier_manual(man, fixtures_dir, with_images=True)
   data_dir = tmp_path_factory.mktemp('ier_data')
-  builder = image_editing_request.build('tiny32', os.fspath(data_dir), os.fspath(man),
+  builder = image_editing_request.prepare('tiny32', os.fspath(data_dir), os.fspath(man),
                                         num_workers=1)
   return builder, subset
 
@@ -310,7 +310,7 @@ def test_ier_from_the_authors_h5_files(tmp_path, fixtures_dir):
     for e in (e for data in subset.values() for e in data):
       sequences[e['uid']] = f[e['uid']] = rng.integers(0, 256, (9, 3, 40, 48), dtype=np.uint8)
   _dump(man / 'filter_files' / 'edit_similarity_scores.json', {'Reddit_1012': {}})
-  builder = image_editing_request.build('cpu64_h5', os.fspath(tmp_path / 'data'), os.fspath(man),
+  builder = image_editing_request.prepare('cpu64_h5', os.fspath(tmp_path / 'data'), os.fspath(man),
                                         num_workers=1)
   rec = _records(builder, 'test')[3]
   seq = sequences[_text(rec['pair_id'])]
@@ -325,7 +325,7 @@ def test_ier_from_the_authors_h5_files(tmp_path, fixtures_dir):
   with h5py.File(man / 'edit_videos.h5', 'a') as f:
     del f[del_uid]
   with pytest.raises(errors.UserError, match=f'edit_videos.h5.*{del_uid}'):
-    image_editing_request.build('cpu64_h5', os.fspath(tmp_path / 'data2'), os.fspath(man))
+    image_editing_request.prepare('cpu64_h5', os.fspath(tmp_path / 'data2'), os.fspath(man))
 
 
 def _data_root(builder) -> str:

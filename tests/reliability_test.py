@@ -710,7 +710,7 @@ def test_real_dataset_builders_bad_input(tmp_path, fault):
   from tfds_builders import spot_the_diff
   man = tmp_path / 'ok'
   _spot_manual(man)
-  builder = spot_the_diff.build('tiny32', str(tmp_path / 'data_ok'), str(man), num_workers=1)
+  builder = spot_the_diff.prepare('tiny32', str(tmp_path / 'data_ok'), str(man), num_workers=1)
   record = builder.as_data_source('train')[0]
   assert record['before'].shape == record['after'].shape == (32, 32, 3)
   assert [c.decode() for c in record['captions']] == ['the car is gone']
@@ -724,7 +724,7 @@ def test_real_dataset_builders_bad_input(tmp_path, fault):
     _spot_manual(man, problem)
     data_dir = tmp_path / f'data{i}'
     with pytest.raises(errors.UserError) as info:
-      spot_the_diff.build('tiny32', str(data_dir), str(man), num_workers=1)
+      spot_the_diff.prepare('tiny32', str(data_dir), str(man), num_workers=1)
     config_dir = data_dir / 'spot_the_diff' / 'tiny32'
     assert not config_dir.exists() or not os.listdir(config_dir)  # nothing half-written
     fault('dataset builders (spot_the_diff shown)', problem, f'error: {info.value}')

@@ -1,7 +1,7 @@
-"""CLEVR-Change TFDS builder (manual download); `Builder`, `build`, `official_key`."""
+"""CLEVR-Change TFDS builder (manual download); `Builder`, `prepare`, `official_key`."""
 
 from tfds_builders.clevr_change import clevr_change_dataset_builder
 
 Builder = clevr_change_dataset_builder.Builder
-build = clevr_change_dataset_builder.build
+prepare = clevr_change_dataset_builder.build
 official_key = clevr_change_dataset_builder.official_key

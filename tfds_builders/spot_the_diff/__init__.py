@@ -1,7 +1,7 @@
-"""Spot-the-Diff TFDS builder (manual download); `Builder`, `build`, `official_key`."""
+"""Spot-the-Diff TFDS builder (manual download); `Builder`, `prepare`, `official_key`."""
 
 from tfds_builders.spot_the_diff import spot_the_diff_dataset_builder
 
 Builder = spot_the_diff_dataset_builder.Builder
-build = spot_the_diff_dataset_builder.build
+prepare = spot_the_diff_dataset_builder.build
 official_key = spot_the_diff_dataset_builder.official_key
