@@ -127,11 +127,6 @@ def memory_gib(compiled: Any) -> dict:
   return out
 
 
-def time_calls(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> float:
-  """Median wall time of `fn()` (which must block on its result), seconds."""
-  return float(np.median(time_all(fn, warmup, repeats)))
-
-
 def time_all(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> list[float]:
   """Wall times of `repeats` calls of `fn()` (which must block) after `warmup` calls."""
   for _ in range(warmup):
