@@ -173,11 +173,12 @@ def config_differences(saved: dict, config, stage: str) -> list[str]:
   current = json.loads(json.dumps(config.to_dict(), default=str))
   diffs = []
   for key in _SHAPE_KEYS[stage]:
-    a, b = _flat(key, _lookup(saved, key)), _flat(key, _lookup(current, key))
+    section = _lookup(saved, key)
+    a, b = _flat(key, section), _flat(key, _lookup(current, key))
     # Entries the checkpoint's config lacks were added to the schema after it was saved, with
     # defaults that keep the earlier behaviour, so only the checkpoint's own entries are
     # compared (a section missing altogether still differs).
-    names = set(a) if _lookup(saved, key) is not None else set(a) | set(b)
+    names = set(a) if section is not None else set(a) | set(b)
     for k in sorted(names - _IGNORED_KEYS):
       if _norm(a.get(k)) != _norm(b.get(k)):
         diffs.append(f'{k}: checkpoint {a.get(k)!r} vs config {b.get(k)!r}')
