@@ -5,6 +5,7 @@ maps them to the mesh axes ('data', 'model'). A dimension whose size the mesh ax
 divide is replicated instead (so every mesh shape that divides the devices works).
 """
 
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -76,12 +77,15 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P('data', *([None] * (ndim - 1))))
 
 
+@functools.lru_cache(maxsize=8)
 def process_data_slices(mesh: Mesh) -> tuple[int, int]:
   """(first, count): the contiguous 'data' positions of the mesh that this process's devices
   occupy. One process: (0, mesh.shape['data']).
 
   A process feeds the rows of the global batch that belong to those positions; processes that
   share positions (a 'model' axis spanning processes) feed the same rows.
+
+  Cached per mesh: `shard_batch` asks on every step.
 
   Raises:
     UserError: this process's devices hold non-contiguous 'data' positions (build the mesh with
