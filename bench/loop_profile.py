@@ -27,7 +27,6 @@ from bench import common
 from bench import train_step as bench_step
 from procap_jax import sharding
 from procap_jax import stages
-from procap_jax import train
 from procap_jax.data import pipeline
 
 _COMPILES = []
@@ -47,20 +46,12 @@ def profile(config_spec: str, data_dir: str, stage: str, steps: int, dtype: str)
   config.caption.init_from_pretrain = False
   workdir = data_dir  # only used to find the dataset, vocabulary and scores (data_dir is set)
   pipeline.resolve_vocab_sizes(config, workdir)
-  task = stages.TASKS[stage]
   batch_size = int(config[stage].train.batch_size)
-  mesh = sharding.mesh_from_config(config)
-  model = task.build_model(config)
   ds = pipeline.make_train_dataset(config, workdir, batch_size, int(config.seed))
-  example = jax.tree.map(np.asarray, ds[0])
-  tx = task.make_optimizer(config, 1000)
-  state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), example, mesh)
-  batch_sh = {k: sharding.batch_sharding(mesh, np.asarray(v).ndim) for k, v in example.items()}
-  constants = None if stage == 'tokenizer' else {'tokenizer': bench_step.random_tokenizer(config)}
-  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
-  constants = jax.device_put(constants, const_sh)
-  step_fn = train.make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)
-  rng = jax.random.key(1)
+  # The step and state of bench.train_step (a contract batch of the same shapes stands in for
+  # the example; the real batches come from `ds` below).
+  step_fn, state, _, constants, rng = bench_step.prepare(config, stage, batch_size)
+  mesh = sharding.mesh_from_config(config)
 
   # The input pipeline alone (fresh iterator, nothing else running).
   it = pipeline.TrainIterator(ds)
