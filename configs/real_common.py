@@ -45,6 +45,10 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
   p.text_vocab_size = 49408                      # CLIP BPE table rows, for checkpoint conversion
   p.grid, p.feature_dim, p.codebook_size, p.num_frames = (14, 14), 256, 1024, 4
+  # Memory only (same values): the 12 blocks as a checkpointed scan and attention in query
+  # chunks take stage 1 at batch 8 from 28.8 to 4.9 GiB and stage 2 at batch 32 from 39.2 to
+  # 6.2 GiB of compiled memory (docs/performance.md).
+  p.scan_blocks, p.attention_chunk = True, 128
   pt = config.pretrain.train
   pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'
   pt.eval_every, pt.checkpoint_every, pt.log_every = 5000, 5000, 100

@@ -100,6 +100,8 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       codebook_size=64 if small else 256,  # tokenizer n_embed
       embedding_std=1.0,               # init std of the embedding tables (1.0 = original)
       remat=False,                     # nn.remat per block; on XLA:CPU it saves no memory
+      scan_blocks=False,               # blocks as a checkpointed lax.scan (memory, same values)
+      attention_chunk=0,               # >0: attention queries in chunks (memory, same values)
   ))
   p.masking = ml_collections.ConfigDict(dict(
       strategy_probs=(0.7, 0.1, 0.1, 0.1, 0.0),  # random, all, in-box, out-box, stage-2 pattern

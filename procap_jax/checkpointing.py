@@ -148,7 +148,8 @@ _SHAPE_KEYS = {
                 'data.num_keyframes', 'data.name'),
 }
 # Model entries that change neither the parameters nor the values computed (memory only).
-_IGNORED_KEYS = frozenset({'pretrain.model.remat'})
+_IGNORED_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blocks',
+                           'pretrain.model.attention_chunk'})
 
 
 def _lookup(d: dict, dotted: str):

@@ -283,3 +283,42 @@ def test_remat_keeps_parameters_values_and_gradients():
   np.testing.assert_allclose(v_r, v, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_r)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('variant', [dict(attention_chunk=7), dict(scan_blocks=True),
+                                     dict(scan_blocks=True, attention_chunk=7)])
+def test_memory_variants_keep_parameters_values_and_gradients(variant):
+  """`attention_chunk` computes attention for a few queries at a time (here 7, which does not
+  divide the sequence, so the last chunk is padded); `scan_blocks` runs the blocks as a
+  checkpointed scan over their stacked parameters. Both give the same parameter tree, outputs
+  and gradients as the plain encoder, with the [ST1]/[VID] mask rows intact."""
+  kw = dict(KW, depth=2)
+  plain, chunked = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, **variant)
+  text, feats, mask = _inputs()
+  params = plain.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  params_c = chunked.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  assert jax.tree.structure(params) == jax.tree.structure(params_c)
+
+  def loss(p, model):
+    out = model.apply({'params': p}, text, feats, mask, use_rel=True)
+    return jnp.sum(out['frame_logits'] ** 2) + jnp.sum(out['rel_logit']) + jnp.sum(out['vid_logit'])
+
+  (v, g), (v_c, g_c) = (jax.value_and_grad(loss)(params, m) for m in (plain, chunked))
+  np.testing.assert_allclose(v_c, v, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_c)):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_attention_matches_full_attention_with_a_mask():
+  """layers.chunked_attention against jax.nn.dot_product_attention on random inputs and a
+  random mask (every row keeps at least one key), for chunk sizes below, at and above S."""
+  from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
+  kq, kk, kv, km = jax.random.split(jax.random.PRNGKey(3), 4)
+  q, k, v = (jax.random.normal(r, (2, 10, 3, 4)) for r in (kq, kk, kv))
+  mask = jax.random.uniform(km, (1, 1, 10, 10)) < 0.6
+  mask = mask.at[..., 0].set(True)
+  full = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=0.3)
+  for chunk in (3, 5, 10, 16):
+    np.testing.assert_allclose(layers.chunked_attention(q, k, v, mask, chunk, 0.3), full,
+                               rtol=1e-5, atol=1e-6)
+

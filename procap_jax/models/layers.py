@@ -104,6 +104,45 @@ class LayerNormDense(nn.Module):
                  name='dense')(x)
 
 
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                      chunk: int, scale: float) -> jax.Array:
+  """Softmax attention computed for `chunk` queries at a time, each chunk rematerialised.
+
+  Every query still attends to all S keys with an exact softmax (no online normalisation is
+  needed because a chunk sees the whole key axis), so the result equals the unchunked one up to
+  float rounding. Peak memory for the scores drops from [B, H, S, S] to [B, H, chunk, S]: the
+  chunks run in a `lax.map` whose body is `jax.checkpoint`ed, so the backward pass recomputes
+  each chunk's probabilities instead of keeping all of them.
+
+  Args:
+    q, k, v: [B, S, H, Dh].
+    mask: bool broadcastable to [B, H, S, S] (True = may attend), or None.
+    chunk: queries per chunk, > 0.
+    scale: score scale (1/sqrt(Dh) in MultiHeadAttention).
+
+  Returns:
+    [B, S, H, Dh].
+  """
+  b, s, h, dh = q.shape
+  n = -(-s // chunk)
+  pad = n * chunk - s
+  if mask is None:
+    mask = jnp.ones((1, 1, s, s), bool)
+  mask = jnp.broadcast_to(mask, jnp.broadcast_shapes(mask.shape, (1, 1, s, s)))  # [b|1, h|1, S, S]
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))  # [B, n*C, H, Dh]
+  mp = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=True)  # [., ., n*C, S]
+  q_chunks = jnp.moveaxis(qp.reshape(b, n, chunk, h, dh), 1, 0)  # [n, B, C, H, Dh]
+  m_chunks = jnp.moveaxis(mp.reshape(*mp.shape[:2], n, chunk, s), 2, 0)  # [n, ., ., C, S]
+
+  @jax.checkpoint
+  def one(args):
+    qc, mc = args  # [B, C, H, Dh], [., ., C, S]
+    return jax.nn.dot_product_attention(qc, k, v, mask=mc, scale=scale)  # [B, C, H, Dh]
+
+  out = jax.lax.map(one, (q_chunks, m_chunks))  # [n, B, C, H, Dh]
+  return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, dh)[:, :s]  # [B, S, H, Dh]
+
+
 class MultiHeadAttention(nn.Module):
   """torch.nn.MultiheadAttention (fused q/k/v in_proj with bias, out_proj with bias).
 
@@ -115,12 +154,16 @@ class MultiHeadAttention(nn.Module):
     in_std: std of the normal in_proj init (from-scratch runs).
     out_std: std of the normal out_proj init.
     dtype: computation dtype.
+    query_chunk: 0 = one softmax over the full [S, S] score matrix; C > 0 = queries in chunks
+      of C (`chunked_attention`), so only a [B, H, C, S] block of scores exists at a time, in
+      the forward and, recomputed, in the backward pass. Same values and parameters.
   """
   width: int
   heads: int
   in_std: float
   out_std: float
   dtype: Dtype = jnp.float32
+  query_chunk: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -145,7 +188,10 @@ class MultiHeadAttention(nn.Module):
     q = q.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
     k = k.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
     v = v.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=dh ** -0.5)  # [B, S, H, Dh]
+    if self.query_chunk and s > self.query_chunk:
+      out = chunked_attention(q, k, v, mask, self.query_chunk, dh ** -0.5)  # [B, S, H, Dh]
+    else:
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=dh ** -0.5)  # [B, S, H, Dh]
     out = out.reshape(b, s, d)  # [B, S, D]
     return dense(d, ('heads', 'embed'), dtype=self.dtype,
                  kernel_init=nn.initializers.normal(self.out_std),
@@ -188,12 +234,14 @@ class ResidualAttentionBlock(nn.Module):
     mlp_ratio: F / D.
     depth: number of blocks in the stack (only scales the init).
     dtype: computation dtype.
+    query_chunk: attention query chunk (MultiHeadAttention.query_chunk; 0 = unchunked).
   """
   width: int
   heads: int
   mlp_ratio: int = 4
   depth: int = 1
   dtype: Dtype = jnp.float32
+  query_chunk: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -202,7 +250,8 @@ class ResidualAttentionBlock(nn.Module):
     proj_std = attn_std * (2 * self.depth) ** -0.5
     fc_std = (2 * self.width) ** -0.5
     h = MultiHeadAttention(self.width, self.heads, in_std=attn_std, out_std=proj_std,
-                           dtype=self.dtype, name='attn')(layer_norm(name='ln_1')(x), mask)
+                           dtype=self.dtype, query_chunk=self.query_chunk,
+                           name='attn')(layer_norm(name='ln_1')(x), mask)
     x = x + h.astype(x.dtype)
     h = Mlp(self.width, self.mlp_ratio * self.width, fc_std=fc_std, proj_std=proj_std,
             dtype=self.dtype, name='mlp')(layer_norm(name='ln_2')(x))

@@ -140,6 +140,14 @@ class ProcedureEncoder(nn.Module):
     remat: recompute each block's activations in the backward pass instead of keeping them
       (`nn.remat`): the same values and parameter tree. Meant for accelerators; XLA:CPU
       schedules the recomputation early and saves no memory (docs/performance.md).
+    scan_blocks: run the blocks as one `lax.scan` over their stacked parameters with each
+      block `jax.checkpoint`ed, so the backward pass keeps only every block's input and
+      recomputes one block at a time inside the loop (where no scheduler can hoist the
+      recomputation, unlike `remat`). The parameters stay per block (`resblocks_<i>`, the
+      original's layout); they are stacked on the fly. Same values; used after init.
+    attention_chunk: 0 = full attention; C > 0 = attention queries in chunks of C, each
+      rematerialised (`layers.chunked_attention`): the same values and parameter tree, with
+      only a [B, H, C, S] block of scores alive at a time (docs/performance.md).
     dtype: computation dtype of the matmuls (parameters are float32).
   """
   width: int
@@ -154,6 +162,8 @@ class ProcedureEncoder(nn.Module):
   codebook_size: int
   embedding_std: float = 1.0
   remat: bool = False
+  scan_blocks: bool = False
+  attention_chunk: int = 0
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -170,8 +180,8 @@ class ProcedureEncoder(nn.Module):
     self.conv_to_embedding = layers.LayerNormDense(d, (None, 'embed'), dtype=self.dtype)
     self.target_pos_emb = AxialPositionEmbedding((self.num_frames,) + tuple(self.grid), d, std)
     block = nn.remat(layers.ResidualAttentionBlock) if self.remat else layers.ResidualAttentionBlock
-    self.resblocks = [block(d, self.heads, self.mlp_ratio, self.depth, self.dtype)
-                      for _ in range(self.depth)]
+    self.resblocks = [block(d, self.heads, self.mlp_ratio, self.depth, self.dtype,
+                            self.attention_chunk) for _ in range(self.depth)]
     self.to_logits = layers.LayerNormDense(self.codebook_size, ('embed', 'vocab'), self.dtype)
     self.to_logits_rel = layers.LayerNormDense(1, ('embed', None), self.dtype)
     self.to_logits_vid = layers.LayerNormDense(1, ('embed', None), self.dtype)
@@ -214,6 +224,20 @@ class ProcedureEncoder(nn.Module):
     emb = emb + self.target_pos_emb()[None, :t]  # [B, T, h, w, D]
     return emb.reshape(b, t * h * w, self.width)  # [B, T*N, D]
 
+  def _scanned_blocks(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """The blocks as a checkpointed `lax.scan` (see `scan_blocks`): [B, S, D] -> [B, S, D]."""
+    stacked = jax.tree.map(lambda *p: jnp.stack(p),  # [depth, ...] per parameter
+                           *[nn.meta.unbox(block.variables['params']) for block in self.resblocks])
+    proto = layers.ResidualAttentionBlock(self.width, self.heads, self.mlp_ratio, self.depth,
+                                          self.dtype, self.attention_chunk, parent=None)
+
+    @jax.checkpoint
+    def body(h, params):
+      return proto.apply({'params': params}, h, mask), None
+
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x
+
   def __call__(self, text: jax.Array | None, frame_features: jax.Array, frame_mask: jax.Array, *,
                use_rel: bool, stage2_mask: str = 'code', text_slot: str = 'code') -> dict:
     """Encodes control tokens and frames.
@@ -241,8 +265,11 @@ class ProcedureEncoder(nn.Module):
     x = jnp.concatenate(parts + [frames], axis=1)  # [B, S, D]
     mask = jnp.asarray(attention_mask(num_text, frames.shape[1], use_rel=use_rel,
                                       stage2_mask=stage2_mask))  # [S, S]
-    for block in self.resblocks:
-      x = block(x, mask)
+    if self.scan_blocks and not self.is_initializing():
+      x = self._scanned_blocks(x, mask)
+    else:
+      for block in self.resblocks:
+        x = block(x, mask)
     frame_hidden = x[:, control_len:]  # [B, T*N, D]
     out = dict(hidden=x, frame_hidden=frame_hidden,
                frame_logits=self.to_logits(frame_hidden).astype(jnp.float32),
