@@ -126,7 +126,13 @@ def load_stage_variables(workdir: str, stage: str, which: str = 'best') -> dict:
         f'--config.stages=\'("{stage}",)\') or point --workdir at a run that has it')
   mngr = _manager(directory, 1, read_only=True)
   step = mngr.latest_step()
-  restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  # Every array onto this process's first device, whatever mesh and processes saved it (a run
+  # trained on a multi-process mesh is evaluated or used for captioning on one machine).
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  tree = ocp.StandardCheckpointer().metadata(os.path.join(directory, str(step), 'state'))
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        getattr(tree, 'item_metadata', tree), is_leaf=lambda m: hasattr(m, 'shape'))
+  restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   mngr.close()
   state = restored['state']
   state = jax.tree.map(np.asarray, state)

@@ -30,7 +30,24 @@ TASKS = {
 
 def prepare_data(config, workdir: str) -> None:
   """Builds the dataset when missing (synthetic always; real ones from config.data.manual_dir)
-  and computes the confidence scores file when the sampler needs it."""
+  and computes the confidence scores file when the sampler needs it.
+
+  With several processes, process 0 prepares first while the others wait at a barrier; they then
+  prepare only what they still lack (a host-local data_dir), so a shared data_dir is written by
+  one process only.
+  """
+  if jax.process_count() == 1:
+    _prepare_data(config, workdir)
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  if jax.process_index() == 0:
+    _prepare_data(config, workdir)
+  multihost_utils.sync_global_devices('procap_jax.stages.prepare_data')
+  if jax.process_index() != 0:
+    _prepare_data(config, workdir)
+
+
+def _prepare_data(config, workdir: str) -> None:
   name, bc = config.data.name, config.data.builder_config
   ddir = pipeline.data_dir(config, workdir)
   if not datasets.is_prepared(name, bc, ddir):

@@ -5,6 +5,10 @@ process (8 fake devices, mesh (4, 2)), then launches this file twice as a script
 initialises `jax.distributed` through `procap_jax.main` (JAX_NUM_PROCESSES / JAX_COORDINATOR_ADDRESS
 / JAX_PROCESS_ID), reads only its rows of every global batch and runs the same steps on the same
 (4, 2) mesh spanning both processes. The logged losses must equal the one-process run's.
+
+A second test runs `procap_jax.main.run` itself in two processes on one fresh workdir: the
+dataset build (process 0 builds, process 1 waits), the tokenizer and stage-1 training with
+orbax checkpoints, and the stage-1 test evaluation, then a second launch that must resume.
 """
 
 import json
@@ -66,6 +70,18 @@ def test_two_processes_match_one(tiny_data_dir):
   assert jax.device_count() == 8
   expected = _train(tiny_data_dir)
 
+  outputs = _launch([tiny_data_dir], timeout=600)
+  assert 'process 0 of 2, 4 local / 8 global devices' in outputs[0], outputs[0][-2000:]
+  got = [json.loads(line[len('losses '):]) for line in outputs[0].splitlines()
+         if line.startswith('losses ')]
+  assert got, outputs[0][-2000:]
+  got = got[0]
+  assert len(got) == STEPS
+  assert all(abs(g - e) <= 1e-4 * abs(e) + 1e-6 for g, e in zip(got, expected)), (got, expected)
+
+
+def _launch(args: list[str], timeout: float = 900) -> list[str]:
+  """Runs this file as a script in 2 processes (4 CPU devices each); returns their outputs."""
   port = _free_port()
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   children = []
@@ -75,12 +91,12 @@ def test_two_processes_match_one(tiny_data_dir):
                XLA_FLAGS='--xla_force_host_platform_device_count=4',
                PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get('PYTHONPATH')) if p))
     children.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), tiny_data_dir],
+        [sys.executable, os.path.abspath(__file__)] + args,
         env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   outputs = []
   for child in children:
     try:
-      out, _ = child.communicate(timeout=600)
+      out, _ = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
       for c in children:
         c.kill()
@@ -88,13 +104,54 @@ def test_two_processes_match_one(tiny_data_dir):
     outputs.append(out)
   for child, out in zip(children, outputs):
     assert child.returncode == 0, out[-3000:]
-  assert 'process 0 of 2, 4 local / 8 global devices' in outputs[0], outputs[0][-2000:]
-  got = [json.loads(line[len('losses '):]) for line in outputs[0].splitlines()
-         if line.startswith('losses ')]
-  assert got, outputs[0][-2000:]
-  got = got[0]
-  assert len(got) == STEPS
-  assert all(abs(g - e) <= 1e-4 * abs(e) + 1e-6 for g, e in zip(got, expected)), (got, expected)
+  return outputs
+
+
+def _run_config(workdir: str):
+  """Tiny tokenizer + stage-1 run on a (4, 2) mesh; the dataset is built inside `workdir`."""
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  config.mesh.data, config.mesh.model = 4, 2
+  config.stages = ('tokenizer', 'pretrain')
+  for section in (config.tokenizer.train, config.pretrain.train):
+    section.steps, section.checkpoint_every, section.eval_every, section.log_every = 4, 2, 4, 2
+  return config
+
+
+def test_two_processes_run_main_build_train_checkpoint_and_resume(tmp_path):
+  import numpy as np
+  from procap_jax import checkpointing
+  from procap_jax import stages
+  workdir = str(tmp_path / 'run')
+  outputs = _launch(['--run', workdir])
+  assert 'building synthetic_change/tiny' in outputs[0], outputs[0][-2000:]
+  assert 'building synthetic_change/tiny' not in outputs[1], outputs[1][-2000:]
+  for stage in ('tokenizer', 'pretrain'):
+    lines = [json.loads(l) for l in open(os.path.join(workdir, stage, 'metrics.jsonl'))]
+    train_steps = [l['step'] for l in lines if l.get('split', 'train') == 'train']
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 4, train_steps
+    variables = checkpointing.load_stage_variables(workdir, stage, 'latest')
+    assert int(variables['step']) == 4
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax_leaves(variables['params']))
+  test = json.load(open(stages.pretrain_test_path(workdir)))
+  assert test['split'] == 'test' and 0.0 <= test['metrics']['msm_acc'] <= 1.0
+  # A second launch finds both stages finished and the test metrics kept.
+  again = _launch(['--run', workdir])
+  assert all('[tokenizer] already finished' in out for out in again), again[0][-2000:]
+
+
+def jax_leaves(tree):
+  import jax
+  return jax.tree.leaves(tree)
+
+
+def _run_child(workdir: str) -> None:
+  """One of the two processes of the main-run test."""
+  from absl import flags
+  flags.FLAGS.mark_as_parsed()
+  from procap_jax import main
+  main._maybe_init_distributed()  # pylint: disable=protected-access
+  main.run(_run_config(workdir), workdir)
 
 
 def _child(data_dir: str) -> None:
@@ -110,4 +167,7 @@ def _child(data_dir: str) -> None:
 
 
 if __name__ == '__main__':
-  _child(sys.argv[1])
+  if sys.argv[1] == '--run':
+    _run_child(sys.argv[2])
+  else:
+    _child(sys.argv[1])
