@@ -19,6 +19,7 @@ import json
 import os
 from typing import Any
 
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -129,9 +130,10 @@ def load_stage_variables(workdir: str, stage: str, which: str = 'best') -> dict:
   # Every array onto this process's first device, whatever mesh and processes saved it (a run
   # trained on a multi-process mesh is evaluated or used for captioning on one machine).
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  tree = ocp.StandardCheckpointer().metadata(os.path.join(directory, str(step), 'state'))
+  tree = ocp.StandardCheckpointHandler().metadata(
+      epath.Path(os.path.join(directory, str(step), 'state')))
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                        getattr(tree, 'item_metadata', tree), is_leaf=lambda m: hasattr(m, 'shape'))
+                        tree, is_leaf=lambda m: hasattr(m, 'shape'))
   restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   mngr.close()
   state = restored['state']
