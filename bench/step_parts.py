@@ -66,13 +66,13 @@ def tokenizer_part(spec: str, batch: int, dtype: str, repeats: int, peak: float)
 def encoder_parts(spec: str, batch: int, dtype: str, repeats: int, peak: float,
                   variants: list[str]) -> list[dict]:
   plain = pretrain.build_model(_config(spec, dtype, 'plain'))
-  m = plain
   b = 3 * batch
-  gh, gw = m.grid
+  gh, gw = plain.grid
   rng = np.random.default_rng(0)
-  feats = jnp.asarray(rng.standard_normal((b, m.num_frames, gh, gw, m.feature_dim)), jnp.float32)
-  text = jnp.asarray(rng.integers(1, 80, (b, m.text_len)), jnp.int32)
-  mask = jnp.asarray(rng.random((b, m.num_frames, gh * gw)) < 0.8)
+  feats = jnp.asarray(rng.standard_normal((b, plain.num_frames, gh, gw, plain.feature_dim)),
+                      jnp.float32)
+  text = jnp.asarray(rng.integers(1, 80, (b, plain.text_len)), jnp.int32)
+  mask = jnp.asarray(rng.random((b, plain.num_frames, gh * gw)) < 0.8)
   params = jax.jit(lambda: nn.meta.unbox(plain.init(
       jax.random.key(0), text[:1], feats[:1], mask[:1], use_rel=True)['params']))()
 

@@ -119,6 +119,7 @@ def _run_config(workdir: str):
 
 
 def test_two_processes_run_main_build_train_checkpoint_and_resume(tmp_path):
+  import jax
   import numpy as np
   from procap_jax import checkpointing
   from procap_jax import stages
@@ -132,17 +133,12 @@ def test_two_processes_run_main_build_train_checkpoint_and_resume(tmp_path):
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 4, train_steps
     variables = checkpointing.load_stage_variables(workdir, stage, 'latest')
     assert int(variables['step']) == 4
-    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax_leaves(variables['params']))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(variables['params']))
   test = json.load(open(stages.pretrain_test_path(workdir)))
   assert test['split'] == 'test' and 0.0 <= test['metrics']['msm_acc'] <= 1.0
   # A second launch finds both stages finished and the test metrics kept.
   again = _launch(['--run', workdir])
   assert all('[tokenizer] already finished' in out for out in again), again[0][-2000:]
-
-
-def jax_leaves(tree):
-  import jax
-  return jax.tree.leaves(tree)
 
 
 def _run_child(workdir: str) -> None:

@@ -265,47 +265,29 @@ def test_embedding_std_sets_every_embedding_table(std):
   np.testing.assert_allclose(np.std(block), 64 ** -0.5, rtol=0.1)
 
 
-def test_remat_keeps_parameters_values_and_gradients():
-  """`remat=True` recomputes block activations in the backward pass: the same parameter tree,
-  outputs and gradients as without it."""
-  kw = dict(KW, depth=2)
-  plain, remat = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, remat=True)
-  text, feats, mask = _inputs()
-  params = plain.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
-  params_r = remat.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
-  assert jax.tree.structure(params) == jax.tree.structure(params_r)
-
-  def loss(p, model):
-    out = model.apply({'params': p}, text, feats, mask, use_rel=True)
-    return jnp.sum(out['frame_logits'] ** 2) + jnp.sum(out['rel_logit']) + jnp.sum(out['vid_logit'])
-
-  (v, g), (v_r, g_r) = (jax.value_and_grad(loss)(params, m) for m in (plain, remat))
-  np.testing.assert_allclose(v_r, v, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_r)):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize('variant', [dict(attention_chunk=7), dict(scan_blocks=True),
+@pytest.mark.parametrize('variant', [dict(remat=True), dict(attention_chunk=7),
+                                     dict(scan_blocks=True),
                                      dict(scan_blocks=True, attention_chunk=7)])
 def test_memory_variants_keep_parameters_values_and_gradients(variant):
-  """`attention_chunk` computes attention for a few queries at a time (here 7, which does not
-  divide the sequence, so the last chunk is padded); `scan_blocks` runs the blocks as a
-  checkpointed scan over their stacked parameters. Both give the same parameter tree, outputs
-  and gradients as the plain encoder, with the [ST1]/[VID] mask rows intact."""
+  """`remat=True` recomputes block activations in the backward pass; `attention_chunk` computes
+  attention for a few queries at a time (here 7, which does not divide the sequence, so the
+  last chunk is padded); `scan_blocks` runs the blocks as a checkpointed scan over their
+  stacked parameters. Each gives the same parameter tree, outputs and gradients as the plain
+  encoder, with the [ST1]/[VID] mask rows intact."""
   kw = dict(KW, depth=2)
-  plain, chunked = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, **variant)
+  plain, variant_model = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, **variant)
   text, feats, mask = _inputs()
   params = plain.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
-  params_c = chunked.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
-  assert jax.tree.structure(params) == jax.tree.structure(params_c)
+  params_v = variant_model.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  assert jax.tree.structure(params) == jax.tree.structure(params_v)
 
   def loss(p, model):
     out = model.apply({'params': p}, text, feats, mask, use_rel=True)
     return jnp.sum(out['frame_logits'] ** 2) + jnp.sum(out['rel_logit']) + jnp.sum(out['vid_logit'])
 
-  (v, g), (v_c, g_c) = (jax.value_and_grad(loss)(params, m) for m in (plain, chunked))
-  np.testing.assert_allclose(v_c, v, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_c)):
+  (v, g), (v_v, g_v) = (jax.value_and_grad(loss)(params, m) for m in (plain, variant_model))
+  np.testing.assert_allclose(v_v, v, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_v)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
