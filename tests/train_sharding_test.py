@@ -57,14 +57,11 @@ def config():
   return cfg
 
 
-@pytest.mark.parametrize('stage,meshes', [
-    ('pretrain', MESHES),
-    ('caption', [(1, 1), (4, 2)]),
-    ('tokenizer', [(1, 1), (2, 4)]),
-])
-def test_step_equal_on_meshes(config, stage, meshes):
-  ref_losses, ref_leaf, _ = _cached_two_steps(config, stage, meshes[0])
-  for shape in meshes[1:]:
+@pytest.mark.parametrize('stage', ['pretrain', 'caption', 'tokenizer'])
+def test_step_equal_on_meshes(config, stage):
+  """Every stage's two steps give the same losses and parameters on each (data, model) mesh."""
+  ref_losses, ref_leaf, _ = _cached_two_steps(config, stage, MESHES[0])
+  for shape in MESHES[1:]:
     losses, leaf, _ = _cached_two_steps(config, stage, shape)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-4, err_msg=str(shape))
     np.testing.assert_allclose(leaf, ref_leaf, rtol=2e-3, atol=2e-5, err_msg=str(shape))
