@@ -131,7 +131,7 @@ def load_stage_variables(workdir: str, stage: str, which: str = 'best') -> dict:
   # trained on a multi-process mesh is evaluated or used for captioning on one machine).
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   tree = ocp.StandardCheckpointHandler().metadata(
-      epath.Path(os.path.join(directory, str(step), 'state')))
+      epath.Path(os.path.abspath(os.path.join(directory, str(step), 'state'))))
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
                         tree, is_leaf=lambda m: hasattr(m, 'shape'))
   restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))

@@ -196,6 +196,9 @@ def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(tiny_data_di
     b = checkpointing.load_stage_variables(killed, 'tokenizer', which)
     assert a['step'] == b['step']
     jax.tree.map(np.testing.assert_array_equal, a['params'], b['params'])
+  # A workdir given relative to the current directory, as the README's command gives it.
+  relative = checkpointing.load_stage_variables(os.path.relpath(straight), 'tokenizer', 'best')
+  jax.tree.map(np.testing.assert_array_equal, relative['params'], b['params'])
   for sub in ('checkpoints', 'best'):
     assert (_steps(os.path.join(killed, 'tokenizer', sub))
             == _steps(os.path.join(straight, 'tokenizer', sub)))
