@@ -49,6 +49,8 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # chunks take stage 1 at batch 8 from 28.8 to 4.9 GiB and stage 2 at batch 32 from 39.2 to
   # 6.2 GiB of compiled memory (docs/performance.md).
   p.scan_blocks, p.attention_chunk = True, 128
+  p.embedding_std = 1.0                          # the original's N(0, 1) tables (4.1)
+  config.pretrain.binary_inputs = 'masked'       # the original's binary-head inputs (4.4)
   pt = config.pretrain.train
   pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'
   pt.eval_every, pt.checkpoint_every, pt.log_every = 5000, 5000, 100
