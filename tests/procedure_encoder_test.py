@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from procap_jax.models import layers
@@ -304,3 +305,55 @@ def test_chunked_attention_matches_full_attention_with_a_mask():
     np.testing.assert_allclose(layers.chunked_attention(q, k, v, mask, chunk, 0.3), full,
                                rtol=1e-5, atol=1e-6)
 
+
+
+def test_rel_head_learns_to_match_a_caption_word_to_frame_content():
+  """The [REL] head can learn a caption/frames interaction: each clip has one token per frame
+  carrying one of 8 prototype vectors, the caption is that prototype's word, and negatives get
+  another clip's caption (half swap, as L_align). With embedding_std 0.02 (the synthetic
+  default) held-out accuracy is 99 % after 300 steps; with the original's 1.0 it is still 50 %
+  (measured), and a broken attention path from [REL] through the caption to the frames would
+  leave it there too."""
+  t, g, c, k = 4, 4, 16, 8
+  model = pe.ProcedureEncoder(width=32, depth=2, heads=4, mlp_ratio=2, text_len=3,
+                              text_vocab_size=k + 2, num_frames=t, grid=(g, g), feature_dim=c,
+                              codebook_size=4, embedding_std=0.02)
+  rng = np.random.default_rng(0)
+  protos = rng.normal(size=(k, c)).astype(np.float32)
+
+  def make(n):
+    feats = 0.5 * rng.normal(size=(n, t, g, g, c)).astype(np.float32)
+    word = rng.integers(0, k, n)
+    cell = rng.integers(0, g, (n, 2))
+    feats[np.arange(n), :, cell[:, 0], cell[:, 1]] += 2.0 * protos[word][:, None]
+    text = np.zeros((n, 3), np.int32)
+    text[:, 0], text[:, 1] = 1, 2 + word
+    return jnp.asarray(feats), jnp.asarray(text), word
+
+  def logits(params, feats, text):
+    swapped = jnp.roll(text, len(text) // 2, axis=0)
+    mask = jnp.zeros((2 * len(feats), t, g * g), bool)
+    return model.apply({'params': params}, jnp.concatenate([text, swapped]),
+                       jnp.concatenate([feats, feats]), mask, use_rel=True)['rel_logit']
+
+  feats, text, _ = make(2)
+  params = nn.meta.unbox(model.init(jax.random.key(0), text, feats,
+                                    jnp.zeros((2, t, g * g), bool), use_rel=True)['params'])
+  tx = optax.adam(optax.linear_schedule(0.0, 1e-3, 50))
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(params, opt, feats, text):
+    y = jnp.r_[jnp.ones(len(feats)), jnp.zeros(len(feats))]
+    grads = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(logits(p, feats, text),
+                                                                  y).mean())(params)
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  for _ in range(300):
+    params, opt = step(params, opt, *make(16)[:2])
+  feats, text, word = make(256)
+  z = np.asarray(jax.jit(logits)(params, feats, text))
+  differs = word != np.roll(word, 128)  # a swapped caption naming the same prototype matches
+  acc = 0.5 * (np.mean(z[:256] > 0) + np.mean(z[256:][differs] < 0))
+  assert acc > 0.8, acc
