@@ -10,6 +10,7 @@ import pytest
 
 from procap_jax.models import layers
 from procap_jax.models import procedure_encoder as pe
+from procap_jax.tasks import pretrain
 
 # Prime-ish dims; a non-square grid checks the (t, h, w) flat order.
 KW = dict(width=30, depth=1, heads=3, mlp_ratio=2, text_len=5, text_vocab_size=11, num_frames=3,
@@ -306,7 +307,6 @@ def test_chunked_attention_matches_full_attention_with_a_mask():
                                rtol=1e-5, atol=1e-6)
 
 
-
 def test_rel_head_learns_to_match_a_caption_word_to_frame_content():
   """The [REL] head can learn a caption/frames interaction: each clip has one token per frame
   carrying one of 8 prototype vectors, the caption is that prototype's word, and negatives get
@@ -331,7 +331,7 @@ def test_rel_head_learns_to_match_a_caption_word_to_frame_content():
     return jnp.asarray(feats), jnp.asarray(text), word
 
   def logits(params, feats, text):
-    swapped = jnp.roll(text, len(text) // 2, axis=0)
+    swapped = pretrain.swap_batch(text)
     mask = jnp.zeros((2 * len(feats), t, g * g), bool)
     return model.apply({'params': params}, jnp.concatenate([text, swapped]),
                        jnp.concatenate([feats, feats]), mask, use_rel=True)['rel_logit']
@@ -354,6 +354,7 @@ def test_rel_head_learns_to_match_a_caption_word_to_frame_content():
     params, opt = step(params, opt, *make(16)[:2])
   feats, text, word = make(256)
   z = np.asarray(jax.jit(logits)(params, feats, text))
-  differs = word != np.roll(word, 128)  # a swapped caption naming the same prototype matches
+  # a swapped caption naming the same prototype matches
+  differs = word != np.asarray(pretrain.swap_batch(jnp.asarray(word)))
   acc = 0.5 * (np.mean(z[:256] > 0) + np.mean(z[256:][differs] < 0))
   assert acc > 0.8, acc
