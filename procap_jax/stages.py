@@ -193,7 +193,8 @@ def evaluate_pretrain_test(config, workdir: str) -> dict:
     return _read_json(path)
   task, model, state, constants, step = restore_for_eval(config, workdir, 'pretrain', 'best')
   batches = pipeline.make_eval_iterator(config, 'test', workdir,
-                                        int(config.pretrain.train.batch_size), num_batches=0)
+                                        int(config.pretrain.train.batch_size), num_batches=0,
+                                        shuffled=True)
   metrics = task.evaluate(state, constants, config, model, 'test', workdir, batches=batches)
   out = {'split': 'test', 'checkpoint': 'best', 'checkpoint_step': int(step),
          'selected_on': 'val loss', 'metrics': {k: float(v) for k, v in metrics.items()}}

@@ -83,6 +83,35 @@ def test_eval_iterator_pads_last_batch(tiny_config, tmp_path):
   np.testing.assert_array_equal(batches[0]['keyframes'], again[0]['keyframes'])
 
 
+def test_shuffled_eval_iterator_mixes_the_swap_partners(tiny_config, tmp_path):
+  """Stage-1 validation reads a fixed permutation: every record once, the same rows as record
+  order, and a no-change clip's swap partner (half a batch away) is not always no-change."""
+  b = 4
+  plain = list(pipeline.make_eval_iterator(tiny_config, 'val', str(tmp_path), b))
+  mixed = list(pipeline.make_eval_iterator(tiny_config, 'val', str(tmp_path), b, shuffled=True))
+  again = list(pipeline.make_eval_iterator(tiny_config, 'val', str(tmp_path), b, shuffled=True))
+  index = lambda bs: np.concatenate([x['example_index'][x['valid']] for x in bs])
+  assert sorted(index(mixed)) == sorted(index(plain))
+  assert not np.array_equal(index(mixed), index(plain))
+  np.testing.assert_array_equal(index(mixed), index(again))
+  by_index = {int(i): r for x in plain for i, r in zip(x['example_index'], x['keyframes'])}
+  for x in mixed:  # the same deterministic keyframes whatever the order
+    for i, r in zip(x['example_index'], x['keyframes']):
+      np.testing.assert_array_equal(r, by_index[int(i)])
+  none = pipeline.CHANGE_TYPES.index('none')
+
+  def partner_kinds(bs):
+    kinds = set()
+    for x in bs:
+      if x['valid'].all():
+        ct = x['change_type'] == none
+        kinds |= set(zip(ct.tolist(), np.roll(ct, b // 2).tolist()))
+    return kinds
+
+  assert partner_kinds(plain) <= {(True, True), (False, False)}  # why shuffling is needed
+  assert {(True, False), (False, True)} & partner_kinds(mixed)
+
+
 def test_split_info(tiny_config, tmp_path):
   info = pipeline.load_split_info(tiny_config, 'test', str(tmp_path))
   assert info and all(r['captions'] for r in info)

@@ -277,8 +277,14 @@ def make_train_iterator(config, workdir: str, batch_size: int, seed: int) -> Tra
 
 
 def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
-                       num_batches: int = 0) -> Iterator[dict]:
-  """Batches of `split` in record order; deterministic keyframes, first caption.
+                       num_batches: int = 0, shuffled: bool = False) -> Iterator[dict]:
+  """Batches of `split`; deterministic keyframes, first caption.
+
+  Records come in record order, or with `shuffled` in one fixed permutation (seeded by
+  `config.seed`): stage 1 pairs each clip with the caption of the clip half a batch away, and
+  in record order that partner is always of the same kind (the synthetic splits alternate a
+  change pair and its no-change distractor), so every no-change clip would be judged against
+  another no-change caption.
 
   The last batch is padded to `batch_size` with copies of its first row marked `valid=False`.
   `num_batches=0` means the whole split.
@@ -286,9 +292,11 @@ def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
   src = open_source(config, workdir, split)
   transform = make_transform(config, workdir, train=False)
   n = len(src) if not num_batches else min(len(src), num_batches * batch_size)
+  order = (np.random.default_rng(int(config.seed)).permutation(len(src)) if shuffled
+           else np.arange(len(src)))[:n]
   for start in range(0, n, batch_size):
     rows = []
-    for i in range(start, min(n, start + batch_size)):
+    for i in (int(j) for j in order[start:start + batch_size]):
       rng = sampling.keyframe_rng(config.seed, i, 0)
       rows.append(transform(src[i], i, rng))
     while len(rows) < batch_size:

@@ -312,7 +312,7 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
     if batches is None:
       t = config.pretrain.train
       batches = pipeline.make_eval_iterator(config, split, workdir, t.batch_size,
-                                            num_batches=t.eval_batches)
+                                            num_batches=t.eval_batches, shuffled=True)
     return evaluate_batches(nn.meta.unbox(state.params), constants['tokenizer'], config, model,
                             tokenizer_factory(config), batches)
 
