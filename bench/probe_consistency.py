@@ -17,6 +17,11 @@ Adam, reporting held-out accuracy (each clean and each corrupted clip one decisi
             per `--keep` (fraction of tokens kept; the original keeps 0.2; 1.0 = no mask).
             `--task align` trains the [REL] head on L_align instead: the clean clip with its own
             caption against the same clip with the caption of the sample half a batch away.
+  detector  (`--task align` only) how many pairs does caption/frame matching need, for a model
+            built for it? A one-hop grounding detector: each caption word w scores
+            max over tokens j of cos(E[w], W x_j), the clip scores sum_w a[w] * that + b; x_j is a
+            token's tokenizer feature (`features`) or the mean/std/max/min RGB of its pixel patch
+            (`pixels`, the easiest input there is). Batch `--detector-batch`, lr 3e-3.
 
 One JSON line per evaluation: {probe, keep, step, samples, held_out_acc}.
 """
@@ -38,7 +43,8 @@ from procap_jax.tasks import pretrain
 
 
 def encode_clips(config, workdir: str, clips: int, seed: int = 0):
-  """(clean [M, T, h, w, C], corrupted [M, T, h, w, C], encoder_text [M, L]) of M training clips."""
+  """(clean [M, T, h, w, C], corrupted [M, T, h, w, C], encoder_text [M, L], pixel patch
+  statistics [M, T, h, w, 12]) of M training clips."""
   tokenizer = pretrain.vqgan_tokenizer(config)
   params = pretrain.load_constants(config, workdir)['tokenizer']
   ds = pipeline.make_train_dataset(config, workdir, 16, seed)
@@ -50,14 +56,25 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
     enc = lambda v: pretrain._encode_clips(tokenizer.encode_features, params, v)  # pylint: disable=protected-access
     return enc(x), enc(corrupted)
 
-  clean, bad, text = [], [], []
+  clean, bad, text, pixels = [], [], [], []
   for i in range(max(1, clips // 16)):
     batch = ds[i]
     a, b = encode(jnp.asarray(batch['keyframes']), jax.random.key(seed * 1000 + i))
     clean.append(np.asarray(a))
     bad.append(np.asarray(b))
     text.append(np.asarray(batch['encoder_text']))
-  return np.concatenate(clean), np.concatenate(bad), np.concatenate(text)
+    pixels.append(patch_statistics(batch['keyframes'], a.shape[2:4]))
+  return (np.concatenate(clean), np.concatenate(bad), np.concatenate(text),
+          np.concatenate(pixels))
+
+
+def patch_statistics(keyframes: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+  """Mean, std, max and min RGB of each token's pixel patch: [B, T, S, S, 3] -> [B, T, h, w, 12]."""
+  x = np.asarray(keyframes, np.float32) / 255.0
+  b, t, s = x.shape[:3]
+  h, w = grid
+  x = x.reshape(b, t, h, s // h, w, s // w, 3)
+  return np.concatenate([f(x, axis=(3, 5)) for f in (np.mean, np.std, np.max, np.min)], -1)
 
 
 def _held_out_acc(logit_fn, clean, bad) -> float:
@@ -138,6 +155,54 @@ def probe_encoder(config, clean, bad, text, n_train: int, keep: float, steps: in
              'held_out_acc': correct / total}
 
 
+def probe_detector(tokens, text, n_train: int, steps: int, every: int, batch: int,
+                   name: str):
+  """Yields records of the one-hop grounding detector (see the module docstring) on L_align."""
+  m, c = len(tokens), tokens.shape[-1]
+  x_all = tokens.reshape(m, -1, c)  # [M, T*N, C]
+  mu, sd = x_all[:n_train].mean((0, 1)), x_all[:n_train].std((0, 1)) + 1e-6
+  x_all = (x_all - mu) / sd
+  vocab = int(text.max()) + 1
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {'E': 0.1 * jax.random.normal(k1, (vocab, 32)),
+            'W': jax.random.normal(k2, (c, 32)) / np.sqrt(c),
+            'a': jnp.zeros(vocab), 'b': jnp.zeros(())}
+
+  def logits(p, x, txt):  # [B, T*N, C], [B, L] -> [2B]: own captions, then swapped ones
+    z = x @ p['W']
+    z = z / jnp.linalg.norm(z, axis=-1, keepdims=True)  # [B, T*N, 32]
+
+    def score(t):
+      s = jnp.einsum('bld,bnd->bln', p['E'][t], z).max(-1)  # [B, L]
+      return jnp.sum(p['a'][t] * s * (t > 0), -1) + p['b']
+
+    return jnp.concatenate([score(txt), score(pretrain.swap_batch(txt))])
+
+  tx = optax.adam(optax.linear_schedule(0.0, 3e-3, 100))
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(p, o, x, txt):
+    y = jnp.r_[jnp.ones(len(x)), jnp.zeros(len(x))]
+    g = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(logits(p, x, txt), y).mean())(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  evaluate = jax.jit(logits)
+  rng = np.random.default_rng(0)
+  for s in range(1, steps + 1):
+    i = rng.integers(0, n_train, batch)
+    params, opt = step(params, opt, x_all[i], text[i])
+    if s % every == 0:
+      correct, total = 0.0, 0
+      for j in range(n_train, len(x_all) - batch + 1, batch):
+        v = np.asarray(evaluate(params, x_all[j:j + batch], text[j:j + batch]))
+        correct += float(np.sum(v[:batch] > 0) + np.sum(v[batch:] < 0))
+        total += 2 * batch
+      yield {'probe': f'detector_{name}', 'keep': 1.0, 'step': s, 'samples': batch * s,
+             'held_out_acc': correct / total}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--workdir', required=True, help='a run whose tokenizer stage finished')
@@ -147,6 +212,8 @@ def main():
   parser.add_argument('--every', type=int, default=100)
   parser.add_argument('--lr', type=float, default=1e-3)
   parser.add_argument('--task', default='csy', choices=('csy', 'align'))
+  parser.add_argument('--detector-batch', type=int, default=64,
+                      help='batch of the align detector probes')
   args = parser.parse_args()
   config_path = os.path.join(args.workdir, 'config.json')
   if not os.path.exists(config_path):
@@ -155,13 +222,18 @@ def main():
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
   try:
-    clean, bad, text = encode_clips(config, args.workdir, args.clips)
+    clean, bad, text, pixels = encode_clips(config, args.workdir, args.clips)
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
   n_train = int(0.8 * len(clean))
   if args.task == 'csy':
     for record in probe_mlp(clean, bad, n_train, args.steps, args.every):
       common.emit(record)
+  else:
+    for name, tokens in (('pixels', pixels), ('features', clean)):
+      for record in probe_detector(tokens, text, n_train, args.steps, args.every,
+                                   args.detector_batch, name):
+        common.emit(record)
   for keep in (float(k) for k in args.keep.split(',') if k):
     for record in probe_encoder(config, clean, bad, text, n_train, keep, args.steps, args.every,
                                 args.lr, args.task):
