@@ -7,6 +7,21 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# One persistent XLA compilation cache per test session, shared with the subprocesses tests
+# start: most of a tiny run's time is compiling, and many tests (and the two-process and
+# kill-and-resume runs) compile the same train steps again. Entries are keyed by the program and
+# its options, so a hit is the same executable. Removed when the session ends.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix='procap-jax-test-xla-cache-')
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
