@@ -192,9 +192,7 @@ def evaluate_pretrain_test(config, workdir: str) -> dict:
   if os.path.exists(path):
     return _read_json(path)
   task, model, state, constants, step = restore_for_eval(config, workdir, 'pretrain', 'best')
-  batches = pipeline.make_eval_iterator(config, 'test', workdir,
-                                        int(config.pretrain.train.batch_size), num_batches=0,
-                                        shuffled=True)
+  batches = pretrain_task.eval_batches(config, 'test', workdir, num_batches=0)
   metrics = task.evaluate(state, constants, config, model, 'test', workdir, batches=batches)
   out = {'split': 'test', 'checkpoint': 'best', 'checkpoint_step': int(step),
          'selected_on': 'val loss', 'metrics': {k: float(v) for k, v in metrics.items()}}

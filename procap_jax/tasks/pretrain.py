@@ -298,6 +298,14 @@ def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.
       {k: np.float64(v) for k, v in totals.items()}, config).items()}
 
 
+def eval_batches(config: ml_collections.ConfigDict, split: str, workdir: str,
+                 num_batches: int) -> Iterable[dict]:
+  """Stage-1 evaluation batches of `split` (`num_batches` 0 = all) in the fixed shuffled order,
+  so a no-change clip's swapped caption is not always another no-change caption."""
+  return pipeline.make_eval_iterator(config, split, workdir, int(config.pretrain.train.batch_size),
+                                     num_batches=num_batches, shuffled=True)
+
+
 def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer] = vqgan_tokenizer
               ) -> train.Task:
   """The pretrain Task, with the frozen tokenizer built by `tokenizer_factory(config)`."""
@@ -310,9 +318,7 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
 
   def evaluate(state, constants, config, model, split, workdir, *, batches=None):
     if batches is None:
-      t = config.pretrain.train
-      batches = pipeline.make_eval_iterator(config, split, workdir, t.batch_size,
-                                            num_batches=t.eval_batches, shuffled=True)
+      batches = eval_batches(config, split, workdir, config.pretrain.train.eval_batches)
     return evaluate_batches(nn.meta.unbox(state.params), constants['tokenizer'], config, model,
                             tokenizer_factory(config), batches)
 
