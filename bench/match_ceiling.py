@@ -24,17 +24,11 @@ import argparse
 import numpy as np
 
 from bench import common
+from tfds_builders.synthetic_change import captions
 from tfds_builders.synthetic_change import scene
 
 FULL = ('size', 'color', 'material', 'shape')
 RULES = ('colour', 'phrase', 'kind', 'kind+colour', 'kind+phrase')
-
-
-def subject(pair: scene.Pair) -> scene.Object | None:
-  """The object a caption of `pair` names (None for a no-change pair)."""
-  if pair.change_type == 'none':
-    return None
-  return pair.changed if pair.change_type == 'add' else pair.objects[pair.target]
 
 
 def _present(pair: scene.Pair, obj: scene.Object, attrs: tuple[str, ...]) -> bool:
@@ -44,7 +38,7 @@ def _present(pair: scene.Pair, obj: scene.Object, attrs: tuple[str, ...]) -> boo
 
 def decide(rule: str, clip: scene.Pair, caption_of: scene.Pair, coin: bool) -> bool:
   """Whether `rule` says the caption of `caption_of` describes `clip`."""
-  named = subject(caption_of)
+  named = captions.subject(caption_of)
   attrs = ('color',) if rule.endswith('colour') else FULL
   if rule in ('colour', 'phrase'):
     return coin if named is None else _present(clip, named, attrs)

@@ -66,18 +66,22 @@ def phrase(obj: scene.Object) -> str:
   return f'{obj.size} {obj.color} {obj.material} {obj.shape}'
 
 
+def subject(pair: scene.Pair) -> scene.Object | None:
+  """The object a caption of `pair` names: the added one, else the changed one (before the
+  change); None for a no-change pair."""
+  if pair.change_type == 'none':
+    return None
+  return pair.changed if pair.change_type == 'add' else pair.objects[pair.target]
+
+
 def captions(pair: scene.Pair) -> list[str]:
   """All reference captions of a pair (one per template of its change type)."""
   if pair.change_type == 'none':
     return list(TEMPLATES['none'])
-  if pair.change_type == 'add':
-    subject = pair.changed
-  else:
-    subject = pair.objects[pair.target]
   new = ''
   if pair.change_type == 'color':
     new = pair.changed.color
   elif pair.change_type == 'material':
     new = pair.changed.material
-  what = phrase(subject)
+  what = phrase(subject(pair))
   return [t.format(obj=f'the {what}', what=what, new=new) for t in TEMPLATES[pair.change_type]]
