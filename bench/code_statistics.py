@@ -1,0 +1,89 @@
+r"""What a masked-token accuracy is worth: the tokenizer's code statistics on a run's keyframes.
+
+  python -m bench.code_statistics --workdir W                   # W: a run with a tokenizer
+  python -m bench.code_statistics --workdir W --split test --batches 0
+
+Dimension legend: B batch, T frames, h x w tokenizer grid, K codebook size.
+
+Encodes the keyframe clips [B, T, S, S, 3] of `--split` (stage 1's evaluation order and batch)
+with the run's frozen tokenizer into codes [B, T, h*w] and prints one JSON line:
+
+  most_frequent_code_acc  the masked-token accuracy of always predicting the code most frequent
+                          on the train split (train is read for `--train-batches` batches); the
+                          floor stage 1's msm accuracy should beat
+  perplexity, usage       exp entropy of the split's code histogram, share of the K codes used
+  keep_before_after       share of grid positions whose code is the same in the before (t = 0)
+                          and after (t = T-1) frames: how stable codes are under the pair's
+                          viewpoint jitter and illumination change
+  keep_adjacent           the same for neighbouring frames (t, t + 1)
+"""
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from procap_jax import errors
+from procap_jax.data import pipeline
+from procap_jax.tasks import pretrain
+
+
+def clip_codes(config, workdir: str, split: str, num_batches: int) -> np.ndarray:
+  """Codes [M, T, h*w] of the split's keyframe clips (`num_batches` 0 = the whole split)."""
+  tokenizer = pretrain.vqgan_tokenizer(config)
+  params = pretrain.load_constants(config, workdir)['tokenizer']
+  encode = jax.jit(lambda p, f: pretrain._encode_clips(  # pylint: disable=protected-access
+      tokenizer.encode_tokens, p, f.astype(jnp.float32) / 255.0))
+  out = []
+  for batch in pretrain.eval_batches(config, split, workdir, num_batches):
+    codes = np.asarray(encode(params, jnp.asarray(batch['keyframes'])))  # [B, T, h*w]
+    out.append(codes[np.asarray(batch['valid'], bool)] if 'valid' in batch else codes)
+  if not out:
+    raise errors.UserError(f'the {split} split has no clips')
+  return np.concatenate(out)
+
+
+def statistics(codes: np.ndarray, train_codes: np.ndarray, codebook_size: int) -> dict:
+  """The record's measures from codes [M, T, N] of the split and of train."""
+  train_counts = np.bincount(train_codes.ravel(), minlength=codebook_size)
+  counts = np.bincount(codes.ravel(), minlength=codebook_size)
+  p = counts / counts.sum()
+  nz = p[p > 0]
+  return {
+      'clips': int(len(codes)),
+      'tokens': int(codes.size),
+      'most_frequent_code_acc': float(p[int(np.argmax(train_counts))]),
+      'perplexity': float(np.exp(-np.sum(nz * np.log(nz)))),
+      'usage': float(np.mean(counts > 0)),
+      'keep_before_after': float(np.mean(codes[:, 0] == codes[:, -1])),
+      'keep_adjacent': float(np.mean(codes[:, 1:] == codes[:, :-1])),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--workdir', required=True, help='a run whose tokenizer stage finished')
+  parser.add_argument('--split', default='val')
+  parser.add_argument('--batches', type=int, default=0, help='batches of the split (0 = all)')
+  parser.add_argument('--train-batches', type=int, default=50,
+                      help='train batches that pick the most frequent code')
+  args = parser.parse_args()
+  if not os.path.exists(os.path.join(args.workdir, 'config.json')):
+    raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
+  from procap_jax import caption as caption_cli
+  config = caption_cli.load_run_config(args.workdir)
+  pipeline.resolve_vocab_sizes(config, args.workdir)
+  try:
+    codes = clip_codes(config, args.workdir, args.split, args.batches)
+    train_codes = clip_codes(config, args.workdir, 'train', args.train_batches)
+  except errors.UserError as e:
+    raise SystemExit(f'error: {e}') from None
+  record = statistics(codes, train_codes, int(config.tokenizer.model.n_embed))
+  common.emit({'measure': 'code_statistics', 'split': args.split, **record})
+
+
+if __name__ == '__main__':
+  main()
