@@ -7,8 +7,9 @@ initialises `jax.distributed` through `procap_jax.main` (JAX_NUM_PROCESSES / JAX
 (4, 2) mesh spanning both processes. The logged losses must equal the one-process run's.
 
 A second test runs `procap_jax.main.run` itself in two processes on one fresh workdir: the
-dataset build (process 0 builds, process 1 waits), the tokenizer and stage-1 training with
-orbax checkpoints, and the stage-1 test evaluation, then a second launch that must resume.
+dataset build (process 0 builds, process 1 waits), the tokenizer, stage-1 and caption training
+with orbax checkpoints, the stage-1 test evaluation, the caption test evaluation and the HTML
+report, then a second launch that must find every stage done.
 """
 
 import json
@@ -108,12 +109,11 @@ def _launch(args: list[str], timeout: float = 900) -> list[str]:
 
 
 def _run_config(workdir: str):
-  """Tiny tokenizer + stage-1 run on a (4, 2) mesh; the dataset is built inside `workdir`."""
+  """Tiny run of every stage on a (4, 2) mesh; the dataset is built inside `workdir`."""
   from configs import synthetic
   config = synthetic.get_config('tiny')
   config.mesh.data, config.mesh.model = 4, 2
-  config.stages = ('tokenizer', 'pretrain')
-  for section in (config.tokenizer.train, config.pretrain.train):
+  for section in (config.tokenizer.train, config.pretrain.train, config.caption.train):
     section.steps, section.checkpoint_every, section.eval_every, section.log_every = 4, 2, 4, 2
   return config
 
@@ -127,7 +127,7 @@ def test_two_processes_run_main_build_train_checkpoint_and_resume(tmp_path):
   outputs = _launch(['--run', workdir])
   assert 'building synthetic_change/tiny' in outputs[0], outputs[0][-2000:]
   assert 'building synthetic_change/tiny' not in outputs[1], outputs[1][-2000:]
-  for stage in ('tokenizer', 'pretrain'):
+  for stage in ('tokenizer', 'pretrain', 'caption'):
     lines = [json.loads(l) for l in open(os.path.join(workdir, stage, 'metrics.jsonl'))]
     train_steps = [l['step'] for l in lines if l.get('split', 'train') == 'train']
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 4, train_steps
@@ -136,9 +136,19 @@ def test_two_processes_run_main_build_train_checkpoint_and_resume(tmp_path):
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(variables['params']))
   test = json.load(open(stages.pretrain_test_path(workdir)))
   assert test['split'] == 'test' and 0.0 <= test['metrics']['msm_acc'] <= 1.0
-  # A second launch finds both stages finished and the test metrics kept.
+  # The caption test evaluation: every test pair captioned once, scored, and the report.
+  from procap_jax.data import pipeline
+  results = json.load(open(os.path.join(workdir, 'results.json')))
+  assert results['split'] == 'test' and results['checkpoint'] == 'best'
+  assert 0.0 <= results['metrics']['CIDEr'] and 0.0 <= results['metrics']['Bleu_4'] <= 1.0
+  predictions = json.load(open(os.path.join(workdir, 'caption', 'predictions_test.json')))
+  test_ids = [r['pair_id'] for r in pipeline.load_split_info(_run_config(workdir), 'test', workdir)]
+  assert sorted(p['image_id'] for p in predictions) == sorted(test_ids)
+  assert os.path.getsize(os.path.join(workdir, 'report.html')) > 0
+  # A second launch finds every stage finished and the results kept.
   again = _launch(['--run', workdir])
-  assert all('[tokenizer] already finished' in out for out in again), again[0][-2000:]
+  for stage in ('tokenizer', 'pretrain', 'caption'):
+    assert all(f'[{stage}] already finished' in out for out in again), again[0][-2000:]
 
 
 def _run_child(workdir: str) -> None:
