@@ -142,21 +142,22 @@ def unbox(tree: Any) -> Any:
   return nn.meta.unbox(tree)
 
 
-# Parameter axis names (docs/architecture.md). Activations use 'batch' and 'length'.
-PARAM_AXES = ('embed', 'mlp', 'heads', 'vocab', 'codebook', 'conv_in', 'conv_out', 'norm', 'pos',
-              'text_vocab')
+# Logical axis names of activations (docs/architecture.md); every other name in the rules table
+# names a parameter axis.
+ACTIVATION_AXES = ('batch', 'length')
 
 
 def fsdp_rules(rules, min_axes: Sequence[str] = ('norm', 'pos')) -> tuple:
   """`rules` with every parameter axis name mapped to 'model' (FSDP-style sharding).
 
-  `_spec_for` gives each array the 'model' axis on its first dimension that 'model' divides, so
-  every matrix and embedding table (and the optimiser state that mirrors it) is split over
-  'model' and XLA all-gathers it where it is used. Names in `min_axes` (small vectors and
-  position tables) keep their rule. Activation rules ('batch', 'length') are unchanged.
+  The parameter axis names are those of `rules` other than `ACTIVATION_AXES`, so the config's
+  table stays the one list of names. `_spec_for` gives each array the 'model' axis on its first
+  dimension that 'model' divides, so every matrix and embedding table (and the optimiser state
+  that mirrors it) is split over 'model' and XLA all-gathers it where it is used. Names in
+  `min_axes` (small vectors and position tables) keep their rule. Activation rules are unchanged.
   """
   rule_map = dict(rules)
-  for name in PARAM_AXES:
-    if name not in min_axes:
+  for name in rule_map:
+    if name not in ACTIVATION_AXES and name not in min_axes:
       rule_map[name] = 'model'
   return tuple(rule_map.items())

@@ -55,3 +55,16 @@ def test_logical_shardings_follow_rules_and_replicate_indivisible():
   sh8 = sharding.logical_shardings(boxed, mesh8, RULES)
   # 12 is not divisible by 8 -> that dimension is replicated instead of failing.
   assert sh8['params']['Dense_0']['kernel'].spec == P(None, None)
+
+
+def test_fsdp_rules_come_from_the_config_table():
+  from configs import synthetic
+  rules = synthetic.get_config('tiny').sharding.rules
+  fsdp = dict(sharding.fsdp_rules(rules))
+  assert list(fsdp) == [name for name, _ in rules]        # same names, same order
+  for name, axis in rules:
+    if name in sharding.ACTIVATION_AXES or name in ('norm', 'pos'):
+      assert fsdp[name] == axis, name
+    else:
+      assert fsdp[name] == 'model', name
+  assert fsdp['batch'] == 'data' and fsdp['embed'] == 'model' and fsdp['pos'] is None
