@@ -69,10 +69,29 @@ def tiny_config(tiny_data_dir):
 # PROCAP_WRITE_RELIABILITY=1 the session writes the table (CI leaves the file alone).
 # ---------------------------------------------------------------------------------------------
 RELIABILITY_DOC = REPO / 'docs' / 'reliability.md'
-RELIABILITY_COMMAND = ('PROCAP_WRITE_RELIABILITY=1 python -m pytest -q tests/reliability_test.py '
-                       'tests/images_test.py')
+RELIABILITY_COMMAND = ('PROCAP_WRITE_RELIABILITY=1 python -m pytest -q -n 0 '
+                       'tests/reliability_test.py tests/images_test.py')
 _RELIABILITY_ROWS: list[dict] = []
 _RELIABILITY_FAILED: list[str] = []
+
+
+# The slowest files first (descending): the two xdist workers take whole files in collection
+# order, so a long file left for the end would run alone while the other worker idles.
+_SLOW_FILES_FIRST = ('multihost_test.py', 'real_builders_test.py', 'train_sharding_test.py',
+                     'end_to_end_test.py', 'reliability_test.py')
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  rank = {name: i for i, name in enumerate(_SLOW_FILES_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within each file
+
+
+def pytest_configure(config):
+  if (os.environ.get('PROCAP_WRITE_RELIABILITY') == '1' and
+      config.getoption('numprocesses', None) not in (None, 0)):
+    raise pytest.UsageError('PROCAP_WRITE_RELIABILITY=1 writes one table from one process: '
+                            'add -n 0 to run the tests serially.')
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -110,6 +129,8 @@ def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
   if os.environ.get('PROCAP_WRITE_RELIABILITY') != '1' or not _RELIABILITY_ROWS:
     return
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    return  # a worker holds only its own files' rows (pytest_configure asks for -n 0)
   from procap_jax import errors
   lines = [
       '# Reliability: faults tried and what happened',
