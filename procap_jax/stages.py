@@ -1,7 +1,8 @@
 """What `main` runs: data preparation, the stages in order, the final test evaluation.
 
 Every step is skipped when its output is complete (a built dataset, a scores file, a stage's
-DONE file, results.json), and an unfinished stage resumes from its latest checkpoint.
+DONE file, a results.json and report of the same finished stages and decoding settings), and an
+unfinished stage resumes from its latest checkpoint.
 """
 
 import collections
@@ -161,6 +162,11 @@ def run_all(config, workdir: str) -> dict:
   results_path = os.path.join(workdir, 'results.json')
   if 'caption' not in config.stages:
     return {}
+  cached = _read_json(results_path)
+  if cached is not None and _results_are_current(cached, config, workdir):
+    print(f'{results_path} is current (same finished stages and decoding); not evaluating again',
+          flush=True)
+    return cached
   restored = restore_for_eval(config, workdir, 'caption', 'best')
   results = evaluate_caption(config, workdir, 'test', 'best', restored=restored)
   results['wall_clock_seconds_this_call'] = time.time() - t0
@@ -178,6 +184,16 @@ def run_all(config, workdir: str) -> dict:
                       imagine_fn=imagine_fn if config.caption.model.use_queries else None)
   print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
   return results
+
+
+def _results_are_current(results: dict, config, workdir: str) -> bool:
+  """True when `results` (a results.json) came from the stage checkpoints now in `workdir` (their
+  DONE summaries), with this config's decoding and report settings, and the report exists."""
+  done = {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages}
+  return (results.get('stages') == done and results.get('split') == 'test'
+          and results.get('decoding') == config.caption.decoding.to_dict()
+          and results.get('report') == config.report.to_dict()
+          and os.path.exists(os.path.join(workdir, 'report.html')))
 
 
 def pretrain_test_path(workdir: str) -> str:
@@ -231,6 +247,8 @@ def evaluate_caption(config, workdir: str, split: str, which: str, restored=None
       'eval_seconds': time.time() - t0,
       'stages': {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages},
       'pretrain_test': _read_json(pretrain_test_path(workdir)),
+      'decoding': config.caption.decoding.to_dict(),
+      'report': config.report.to_dict(),
   }
   print(json.dumps({'split': split, **{k: round(v, 4) for k, v in results['metrics'].items()
                                        if '/' not in k}}), flush=True)

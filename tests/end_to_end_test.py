@@ -48,10 +48,20 @@ def test_all_stages_write_results_and_report(finished_run):
 
 
 def test_rerun_skips_finished_stages(finished_run, capsys):
-  config, workdir, _ = finished_run
-  main.run(config, workdir)
+  config, workdir, results = finished_run
+  again = main.run(config, workdir)
   out = capsys.readouterr().out
   assert out.count('already finished') == 3
+  # Nothing changed, so results.json is returned as it is rather than evaluated again.
+  assert 'not evaluating again' in out
+  assert again['metrics'] == pytest.approx(results['metrics'])
+  # Other decoding or report settings make the results stale: evaluated again, and back.
+  other = config.copy_and_resolve_references()
+  other.report.gallery_per_type = 1
+  assert main.run(other, workdir)['report'] == {'gallery_per_type': 1}
+  assert 'not evaluating again' not in capsys.readouterr().out
+  assert main.run(config, workdir)['report'] == config.report.to_dict()
+  assert 'not evaluating again' not in capsys.readouterr().out
 
 
 def test_evaluate_mode_restores_a_checkpoint(finished_run):
