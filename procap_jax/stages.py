@@ -162,8 +162,8 @@ def run_all(config, workdir: str) -> dict:
   results_path = os.path.join(workdir, 'results.json')
   if 'caption' not in config.stages:
     return {}
-  cached = _read_json(results_path)
-  if cached is not None and _results_are_current(cached, config, workdir):
+  cached = current_results(config, workdir)
+  if cached is not None:
     print(f'{results_path} is current (same finished stages and decoding); not evaluating again',
           flush=True)
     return cached
@@ -186,14 +186,22 @@ def run_all(config, workdir: str) -> dict:
   return results
 
 
-def _results_are_current(results: dict, config, workdir: str) -> bool:
-  """True when `results` (a results.json) came from the stage checkpoints now in `workdir` (their
-  DONE summaries), with this config's decoding and report settings, and the report exists."""
-  done = {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages}
-  return (results.get('stages') == done and results.get('split') == 'test'
-          and results.get('decoding') == config.caption.decoding.to_dict()
-          and results.get('report') == config.report.to_dict()
-          and os.path.exists(os.path.join(workdir, 'report.html')))
+def current_results(config, workdir: str) -> dict | None:
+  """`workdir`'s results.json when it came from the stage checkpoints now there (their DONE
+  summaries) with this config's decoding and report settings and the report exists; else None
+  (also when it is unreadable: the caller evaluates again and rewrites it)."""
+  try:
+    results = _read_json(os.path.join(workdir, 'results.json'))
+    done = {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages}
+  except (OSError, ValueError):
+    return None
+  if not isinstance(results, dict):
+    return None
+  current = (results.get('stages') == done and results.get('split') == 'test'
+             and results.get('decoding') == config.caption.decoding.to_dict()
+             and results.get('report') == config.report.to_dict()
+             and os.path.exists(os.path.join(workdir, 'report.html')))
+  return results if current else None
 
 
 def pretrain_test_path(workdir: str) -> str:

@@ -153,3 +153,33 @@ def test_scores_from_the_trained_tokenizer(tiny_config, tmp_path):
   d_start, d_end = loaded[info[0]['pair_id']]
   assert d_start.shape == (9,) and d_start[0] == pytest.approx(1.0, abs=1e-4)
   assert d_end[-1] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_current_results_needs_matching_stages_settings_and_report(tmp_path):
+  from configs import synthetic
+  from procap_jax import stages
+  config = synthetic.get_config('tiny')
+  workdir = str(tmp_path)
+  done = {}
+  for stage in config.stages:
+    os.makedirs(os.path.dirname(train.stage_done_path(workdir, stage)), exist_ok=True)
+    done[stage] = {'stage': stage, 'steps': 3}
+    with open(train.stage_done_path(workdir, stage), 'w') as f:
+      json.dump(done[stage], f)
+  results = {'split': 'test', 'metrics': {'CIDEr': 0.5}, 'stages': done,
+             'decoding': config.caption.decoding.to_dict(), 'report': config.report.to_dict()}
+  path = os.path.join(workdir, 'results.json')
+  with open(path, 'w') as f:
+    json.dump(results, f)
+  assert stages.current_results(config, workdir) is None           # no report.html yet
+  open(os.path.join(workdir, 'report.html'), 'w').close()
+  assert stages.current_results(config, workdir) == results
+  other = config.copy_and_resolve_references()
+  other.caption.decoding.beam_size += 1
+  assert stages.current_results(other, workdir) is None            # other decoding
+  with open(train.stage_done_path(workdir, 'caption'), 'w') as f:
+    json.dump({'stage': 'caption', 'steps': 4}, f)                  # retrained caption stage
+  assert stages.current_results(config, workdir) is None
+  with open(path, 'w') as f:
+    f.write('{"split": "te')                                        # unreadable
+  assert stages.current_results(config, workdir) is None
