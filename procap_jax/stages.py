@@ -192,16 +192,23 @@ def current_results(config, workdir: str) -> dict | None:
   (also when it is unreadable: the caller evaluates again and rewrites it)."""
   try:
     results = _read_json(os.path.join(workdir, 'results.json'))
-    done = {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages}
+    made_from = _results_provenance(config, workdir)
   except (OSError, ValueError):
     return None
   if not isinstance(results, dict):
     return None
-  current = (results.get('stages') == done and results.get('split') == 'test'
-             and results.get('decoding') == config.caption.decoding.to_dict()
-             and results.get('report') == config.report.to_dict()
+  current = (all(results.get(k) == v for k, v in made_from.items())
+             and results.get('split') == 'test'
              and os.path.exists(os.path.join(workdir, 'report.html')))
   return results if current else None
+
+
+def _results_provenance(config, workdir: str) -> dict:
+  """What results come from, recorded in them and compared by `current_results`: the finished
+  stages' DONE summaries and the decoding and report settings."""
+  return {'stages': {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages},
+          'decoding': config.caption.decoding.to_dict(),
+          'report': config.report.to_dict()}
 
 
 def pretrain_test_path(workdir: str) -> str:
@@ -253,10 +260,8 @@ def evaluate_caption(config, workdir: str, split: str, which: str, restored=None
       'split': split, 'checkpoint': which, 'checkpoint_step': int(step),
       'selected_on': 'val', 'metrics': {k: float(v) for k, v in metrics.items()},
       'eval_seconds': time.time() - t0,
-      'stages': {s: _read_json(train.stage_done_path(workdir, s)) for s in config.stages},
       'pretrain_test': _read_json(pretrain_test_path(workdir)),
-      'decoding': config.caption.decoding.to_dict(),
-      'report': config.report.to_dict(),
+      **_results_provenance(config, workdir),
   }
   print(json.dumps({'split': split, **{k: round(v, 4) for k, v in results['metrics'].items()
                                        if '/' not in k}}), flush=True)
