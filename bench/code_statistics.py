@@ -31,16 +31,21 @@ from procap_jax.data import pipeline
 from procap_jax.tasks import pretrain
 
 
-def clip_codes(config, workdir: str, split: str, num_batches: int) -> np.ndarray:
-  """Codes [M, T, h*w] of the split's keyframe clips (`num_batches` 0 = the whole split)."""
+def clip_encoder(config, workdir: str):
+  """The run's frozen tokenizer as a jitted function: keyframes uint8 [B, T, S, S, 3] -> codes
+  [B, T, h*w]."""
   tokenizer = pretrain.vqgan_tokenizer(config)
   params = pretrain.load_constants(config, workdir)['tokenizer']
   encode = jax.jit(lambda p, f: pretrain._encode_clips(  # pylint: disable=protected-access
       tokenizer.encode_tokens, p, f.astype(jnp.float32) / 255.0))
+  return lambda keyframes: np.asarray(encode(params, jnp.asarray(keyframes)))
+
+
+def clip_codes(encode, config, workdir: str, split: str, num_batches: int) -> np.ndarray:
+  """Codes [M, T, h*w] of the split's keyframe clips (`num_batches` 0 = the whole split)."""
   out = []
   for batch in pretrain.eval_batches(config, split, workdir, num_batches):
-    codes = np.asarray(encode(params, jnp.asarray(batch['keyframes'])))  # [B, T, h*w]
-    out.append(codes[np.asarray(batch['valid'], bool)] if 'valid' in batch else codes)
+    out.append(encode(batch['keyframes'])[np.asarray(batch['valid'], bool)])  # pad rows dropped
   if not out:
     raise errors.UserError(f'the {split} split has no clips')
   return np.concatenate(out)
@@ -77,8 +82,9 @@ def main():
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
   try:
-    codes = clip_codes(config, args.workdir, args.split, args.batches)
-    train_codes = clip_codes(config, args.workdir, 'train', args.train_batches)
+    encode = clip_encoder(config, args.workdir)
+    codes = clip_codes(encode, config, args.workdir, args.split, args.batches)
+    train_codes = clip_codes(encode, config, args.workdir, 'train', args.train_batches)
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
   record = statistics(codes, train_codes, int(config.tokenizer.model.n_embed))
