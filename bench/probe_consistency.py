@@ -3,6 +3,7 @@ r"""Can stage 1's consistency task be learned, and does masking stop it? Probes 
   python -m bench.probe_consistency --workdir W                    # W: a run with a tokenizer
   python -m bench.probe_consistency --workdir W --keep 0.2,1.0 --steps 1500
   python -m bench.probe_consistency --workdir W --task align       # the caption-match head
+  python -m bench.probe_consistency --workdir W --task change --keep 1.0  # change or not?
 
 Dimension legend: B batch, T frames, h x w tokenizer grid, C feature channels.
 
@@ -44,7 +45,8 @@ from procap_jax.tasks import pretrain
 
 def encode_clips(config, workdir: str, clips: int, seed: int = 0):
   """(clean [M, T, h, w, C], corrupted [M, T, h, w, C], encoder_text [M, L], pixel patch
-  statistics [M, T, h, w, 12]) of M training clips."""
+  statistics [M, T, h, w, 12], change [M] bool: a change pair, not a distractor) of M training
+  clips."""
   tokenizer = pretrain.vqgan_tokenizer(config)
   params = pretrain.load_constants(config, workdir)['tokenizer']
   ds = pipeline.make_train_dataset(config, workdir, 16, seed)
@@ -56,7 +58,7 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
     enc = lambda v: pretrain._encode_clips(tokenizer.encode_features, params, v)  # pylint: disable=protected-access
     return enc(x), enc(corrupted)
 
-  clean, bad, text, pixels = [], [], [], []
+  clean, bad, text, pixels, change = [], [], [], [], []
   for i in range(max(1, clips // 16)):
     batch = ds[i]
     a, b = encode(jnp.asarray(batch['keyframes']), jax.random.key(seed * 1000 + i))
@@ -64,8 +66,9 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
     bad.append(np.asarray(b))
     text.append(np.asarray(batch['encoder_text']))
     pixels.append(patch_statistics(batch['keyframes'], a.shape[2:4]))
+    change.append(np.asarray(batch['change_type']) != pipeline.CHANGE_TYPES.index('none'))
   return (np.concatenate(clean), np.concatenate(bad), np.concatenate(text),
-          np.concatenate(pixels))
+          np.concatenate(pixels), np.concatenate(change))
 
 
 def patch_statistics(keyframes: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
@@ -203,6 +206,63 @@ def probe_detector(tokens, text, n_train: int, steps: int, every: int, batch: in
              'held_out_acc': correct / total}
 
 
+def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every: int,
+                lr: float, warmup: int = 0):
+  """Yields records of `apply(params, x[i]) -> logits` trained with BCE on labels `y` [M] on
+  the first `n_train` rows (batch 8, Adam, global-norm clip 1), scored on the rest."""
+  y = np.asarray(y, np.float32)
+  schedule = optax.linear_schedule(lr * 1e-3, lr, warmup) if warmup else lr
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(p, o, xb, yb):
+    g = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(apply(p, xb), yb).mean())(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  evaluate = jax.jit(apply)
+  held = y[n_train:]
+  rng = np.random.default_rng(0)
+  for s in range(1, steps + 1):
+    i = rng.integers(0, n_train, 8)
+    params, opt = step(params, opt, x[i], y[i])
+    if s % every == 0:
+      v = np.concatenate([np.asarray(evaluate(params, x[j:j + 64]))
+                          for j in range(n_train, len(x), 64)])
+      yield {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
+             'held_out_acc': float(np.mean((v > 0) == (held > 0.5))),
+             'chance': float(max(held.mean(), 1.0 - held.mean()))}
+
+
+def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float):
+  """Yields records of the two `--task change` probes (see the module docstring)."""
+  diff = np.abs(clean[:, -1] - clean[:, 0])  # [M, h, w, C]: after vs before, same position
+  pooled = np.concatenate([diff.max((1, 2)), diff.mean((1, 2))], -1)  # [M, 2C]
+  mu, sd = pooled[:n_train].mean(0), pooled[:n_train].std(0) + 1e-6
+  pooled = (pooled - mu) / sd
+  d = pooled.shape[1]
+  k1, k2 = jax.random.split(jax.random.key(0))
+  mlp = {'w1': jax.random.normal(k1, (d, 256)) / np.sqrt(d), 'b1': jnp.zeros(256),
+         'w2': jax.random.normal(k2, (256, 1)) / 16.0, 'b2': jnp.zeros(1)}
+  apply_mlp = lambda p, x: (jax.nn.gelu(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2'])[:, 0]
+  yield from _fit_binary('change_diff_mlp', apply_mlp, mlp, pooled, change, n_train, steps,
+                         every, 1e-3)
+
+  model = pretrain.build_model(config)
+  params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
+  t, n = clean.shape[1], clean.shape[2] * clean.shape[3]
+
+  def apply_encoder(p, x):  # frames only: an empty caption, nothing masked
+    empty = jnp.zeros((x.shape[0], model.text_len), jnp.int32)
+    out = model.apply({'params': p}, empty, x, jnp.zeros((x.shape[0], t, n), bool),
+                      use_rel=True)
+    return out['rel_logit']  # [B]
+
+  yield from _fit_binary('change_encoder', apply_encoder, params, clean, change, n_train, steps,
+                         every, lr, warmup=100)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--workdir', required=True, help='a run whose tokenizer stage finished')
@@ -211,7 +271,7 @@ def main():
   parser.add_argument('--steps', type=int, default=1500)
   parser.add_argument('--every', type=int, default=100)
   parser.add_argument('--lr', type=float, default=1e-3)
-  parser.add_argument('--task', default='csy', choices=('csy', 'align'))
+  parser.add_argument('--task', default='csy', choices=('csy', 'align', 'change'))
   parser.add_argument('--detector-batch', type=int, default=64,
                       help='batch of the align detector probes')
   args = parser.parse_args()
@@ -222,10 +282,17 @@ def main():
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
   try:
-    clean, bad, text, pixels = encode_clips(config, args.workdir, args.clips)
+    clean, bad, text, pixels, change = encode_clips(config, args.workdir, args.clips)
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
   n_train = int(0.8 * len(clean))
+  if args.task == 'change':
+    if change.all() or not change.any():
+      raise SystemExit('error: --task change needs both change pairs and no-change distractors '
+                       'in the training split (the synthetic benchmark has both)')
+    for record in probe_change(config, clean, change, n_train, args.steps, args.every, args.lr):
+      common.emit(record)
+    return
   if args.task == 'csy':
     for record in probe_mlp(clean, bad, n_train, args.steps, args.every):
       common.emit(record)
