@@ -5,6 +5,13 @@ import os
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Tests run tiny models for a few steps, so XLA's compile time outweighs the run time it saves:
+# without most of its optimisation passes the slowest compile-bound test takes 43 s instead of
+# 68 s, and the whole suite 749 s instead of 1,046 s (with the (2, 4) mesh kept for stage 1
+# only). The passes left out change speed, not what a program computes (beyond float rounding),
+# and sharding is still partitioned. The training runs themselves (`procap_jax.main`) compile
+# with every optimisation. JAX_DISABLE_MOST_OPTIMIZATIONS=0 tests with the optimised compiler.
+os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 import atexit  # noqa: E402
