@@ -84,17 +84,22 @@ def _held_out_acc(logit_fn, clean, bad) -> float:
   return 0.5 * (float(np.mean(logit_fn(clean) > 0)) + float(np.mean(logit_fn(bad) < 0)))
 
 
+def _mlp(d: int):
+  """(parameters, apply) of a one-hidden-layer GELU MLP [M, d] -> logits [M]."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {'w1': jax.random.normal(k1, (d, 256)) / np.sqrt(d), 'b1': jnp.zeros(256),
+            'w2': jax.random.normal(k2, (256, 1)) / 16.0, 'b2': jnp.zeros(1)}
+  apply = lambda p, x: (jax.nn.gelu(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2'])[:, 0]
+  return params, apply
+
+
 def probe_mlp(clean, bad, n_train: int, steps: int, every: int):
   """Yields records of an MLP on per-frame mean features."""
   pool = lambda x: x.mean((2, 3)).reshape(len(x), -1)  # [M, T*C]
   xp, xn = pool(clean), pool(bad)
   mu, sd = xp[:n_train].mean(0), xp[:n_train].std(0) + 1e-6
   xp, xn = (xp - mu) / sd, (xn - mu) / sd
-  d = xp.shape[1]
-  k1, k2 = jax.random.split(jax.random.key(0))
-  params = {'w1': jax.random.normal(k1, (d, 256)) / np.sqrt(d), 'b1': jnp.zeros(256),
-            'w2': jax.random.normal(k2, (256, 1)) / 16.0, 'b2': jnp.zeros(1)}
-  apply = lambda p, x: (jax.nn.gelu(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2'])[:, 0]
+  params, apply = _mlp(xp.shape[1])
   tx = optax.adam(1e-3)
   opt = tx.init(params)
 
@@ -241,11 +246,7 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
   pooled = np.concatenate([diff.max((1, 2)), diff.mean((1, 2))], -1)  # [M, 2C]
   mu, sd = pooled[:n_train].mean(0), pooled[:n_train].std(0) + 1e-6
   pooled = (pooled - mu) / sd
-  d = pooled.shape[1]
-  k1, k2 = jax.random.split(jax.random.key(0))
-  mlp = {'w1': jax.random.normal(k1, (d, 256)) / np.sqrt(d), 'b1': jnp.zeros(256),
-         'w2': jax.random.normal(k2, (256, 1)) / 16.0, 'b2': jnp.zeros(1)}
-  apply_mlp = lambda p, x: (jax.nn.gelu(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2'])[:, 0]
+  mlp, apply_mlp = _mlp(pooled.shape[1])
   yield from _fit_binary('change_diff_mlp', apply_mlp, mlp, pooled, change, n_train, steps,
                          every, 1e-3)
 
