@@ -3,7 +3,7 @@ r"""Can stage 1's consistency task be learned, and does masking stop it? Probes 
   python -m bench.probe_consistency --workdir W                    # W: a run with a tokenizer
   python -m bench.probe_consistency --workdir W --keep 0.2,1.0 --steps 1500
   python -m bench.probe_consistency --workdir W --task align       # the caption-match head
-  python -m bench.probe_consistency --workdir W --task change --keep 1.0  # change or not?
+  python -m bench.probe_consistency --workdir W --task change      # change or not, told directly
 
 Dimension legend: B batch, T frames, h x w tokenizer grid, C feature channels.
 
@@ -23,6 +23,16 @@ Adam, reporting held-out accuracy (each clean and each corrupted clip one decisi
             max over tokens j of cos(E[w], W x_j), the clip scores sum_w a[w] * that + b; x_j is a
             token's tokenizer feature (`features`) or the mean/std/max/min RGB of its pixel patch
             (`pixels`, the easiest input there is). Batch `--detector-batch`, lr 3e-3.
+
+`--task change` asks the question under matching's easiest part (a "nothing has changed"
+caption on a changed clip, or the reverse): can a model tell a change pair from a no-change
+distractor, from the frames alone, when told the answer directly? Label 1 = change pair.
+  diff_mlp  the MLP (batch 8) on the spatial max and mean of |after - before| tokenizer
+            features: a comparison made by hand, at the same positions.
+  encoder   the run's ProcedureEncoder from scratch, frames only (an empty caption), its [REL]
+            head (or [VID], `--head vid`) trained with BCE on the label (batch 8, `--lr` after
+            a 100-step warmup).
+Its records add `chance`, the held-out share of the larger class (about 0.5).
 
 One JSON line per evaluation: {probe, keep, step, samples, held_out_acc}.
 """
@@ -240,7 +250,8 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
              'chance': float(max(held.mean(), 1.0 - held.mean()))}
 
 
-def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float):
+def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float,
+                 head: str = 'rel'):
   """Yields records of the two `--task change` probes (see the module docstring)."""
   diff = np.abs(clean[:, -1] - clean[:, 0])  # [M, h, w, C]: after vs before, same position
   pooled = np.concatenate([diff.max((1, 2)), diff.mean((1, 2))], -1)  # [M, 2C]
@@ -258,9 +269,9 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
     empty = jnp.zeros((x.shape[0], model.text_len), jnp.int32)
     out = model.apply({'params': p}, empty, x, jnp.zeros((x.shape[0], t, n), bool),
                       use_rel=True)
-    return out['rel_logit']  # [B]
+    return out[f'{head}_logit']  # [B]
 
-  yield from _fit_binary('change_encoder', apply_encoder, params, clean, change, n_train, steps,
+  yield from _fit_binary(f'change_encoder_{head}', apply_encoder, params, clean, change, n_train, steps,
                          every, lr, warmup=100)
 
 
@@ -273,6 +284,8 @@ def main():
   parser.add_argument('--every', type=int, default=100)
   parser.add_argument('--lr', type=float, default=1e-3)
   parser.add_argument('--task', default='csy', choices=('csy', 'align', 'change'))
+  parser.add_argument('--head', default='rel', choices=('rel', 'vid'),
+                      help='--task change: the encoder head trained on the label')
   parser.add_argument('--detector-batch', type=int, default=64,
                       help='batch of the align detector probes')
   args = parser.parse_args()
@@ -291,7 +304,8 @@ def main():
     if change.all() or not change.any():
       raise SystemExit('error: --task change needs both change pairs and no-change distractors '
                        'in the training split (the synthetic benchmark has both)')
-    for record in probe_change(config, clean, change, n_train, args.steps, args.every, args.lr):
+    for record in probe_change(config, clean, change, n_train, args.steps, args.every, args.lr,
+                               args.head):
       common.emit(record)
     return
   if args.task == 'csy':

@@ -34,6 +34,6 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
     assert 0.0 <= r['held_out_acc'] <= 1.0
     assert r['chance'] == pytest.approx(max(change[160:].mean(), 1 - change[160:].mean()))
   assert [r['step'] for r in by_probe['change_diff_mlp']] == [20, 40, 60]
-  assert [r['step'] for r in by_probe['change_encoder']] == [20, 40, 60]
+  assert [r['step'] for r in by_probe['change_encoder_rel']] == [20, 40, 60]
   # the hand-made comparison sees the changed position at once
   assert by_probe['change_diff_mlp'][-1]['held_out_acc'] >= 0.9
