@@ -237,7 +237,8 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
     return optax.apply_updates(p, u), o
 
   evaluate = jax.jit(apply)
-  held = y[n_train:]
+  held = y[n_train:] > 0.5
+  chance = float(max(held.mean(), 1.0 - held.mean()))
   rng = np.random.default_rng(0)
   for s in range(1, steps + 1):
     i = rng.integers(0, n_train, 8)
@@ -246,8 +247,7 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
       v = np.concatenate([np.asarray(evaluate(params, x[j:j + 64]))
                           for j in range(n_train, len(x), 64)])
       yield {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
-             'held_out_acc': float(np.mean((v > 0) == (held > 0.5))),
-             'chance': float(max(held.mean(), 1.0 - held.mean()))}
+             'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance}
 
 
 def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float,
@@ -271,8 +271,8 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
                       use_rel=True)
     return out[f'{head}_logit']  # [B]
 
-  yield from _fit_binary(f'change_encoder_{head}', apply_encoder, params, clean, change, n_train, steps,
-                         every, lr, warmup=100)
+  yield from _fit_binary(f'change_encoder_{head}', apply_encoder, params, clean, change, n_train,
+                         steps, every, lr, warmup=100)
 
 
 def main():
