@@ -1,8 +1,8 @@
 """What `main` runs: data preparation, the stages in order, the final test evaluation.
 
 Every step is skipped when its output is complete (a built dataset, a scores file, a stage's
-DONE file, a results.json and report of the same finished stages and decoding settings), and an
-unfinished stage resumes from its latest checkpoint.
+DONE file, a results.json and report of the same finished stages, decoding and report
+settings), and an unfinished stage resumes from its latest checkpoint.
 """
 
 import collections
@@ -164,8 +164,8 @@ def run_all(config, workdir: str) -> dict:
     return {}
   cached = current_results(config, workdir)
   if cached is not None:
-    print(f'{results_path} is current (same finished stages and decoding); not evaluating again',
-          flush=True)
+    print(f'{results_path} is current (same finished stages, decoding and report settings); '
+          'not evaluating again', flush=True)
     return cached
   restored = restore_for_eval(config, workdir, 'caption', 'best')
   results = evaluate_caption(config, workdir, 'test', 'best', restored=restored)
