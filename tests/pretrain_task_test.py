@@ -119,6 +119,16 @@ def test_statistics_on_hand_made_logits():
     assert float(out['match_pair_acc']) == 0.5
     assert float(out['csy_acc']) == 0.5
     assert float(out['csy_pair_acc']) == 0.0
+    # Ranked: rel+ > rel- for sample 0, not 2; vid+ > vid- for both, although only half the
+    # consistency decisions fall on the right side of 0.
+    assert float(out['match_rank_acc']) == 0.5
+    assert float(out['csy_rank_acc']) == 1.0
+
+  # A tie counts half: a head whose logits ignore the input ranks at chance, not at 0 or 1.
+  tied = pretrain.losses_from_sums(pretrain.statistics_from_logits(
+      frame_logits, codes, token_mask, fully, valid, rel_pos, rel_pos, vid_neg, vid_neg),
+      _config())
+  assert float(tied['match_rank_acc']) == 0.5 and float(tied['csy_rank_acc']) == 0.5
 
   # Padding rows contribute nothing; an all-masked batch divides by max(1, 0).
   none = pretrain.statistics_from_logits(frame_logits, codes, token_mask, jnp.ones(3, bool),
@@ -248,7 +258,8 @@ def test_evaluate_is_deterministic(setup):
                          batches=iter(batches))
   assert first == second
   assert set(first) == {'loss', 'loss_msm', 'loss_align', 'loss_csy', 'msm_acc', 'match_acc',
-                        'csy_acc', 'match_pair_acc', 'csy_pair_acc'}
+                        'csy_acc', 'match_pair_acc', 'csy_pair_acc', 'match_rank_acc',
+                        'csy_rank_acc'}
   assert all(isinstance(v, float) and math.isfinite(v) for v in first.values())
 
 
@@ -272,7 +283,8 @@ def test_loss_with_the_real_vqgan():
                                          config, model), params, tok_params)
   assert loss.shape == () and loss.dtype == jnp.float32
   assert set(metrics) == {'loss', 'loss_msm', 'loss_align', 'loss_csy', 'msm_acc', 'match_acc',
-                          'csy_acc', 'match_pair_acc', 'csy_pair_acc'}
+                          'csy_acc', 'match_pair_acc', 'csy_pair_acc',
+                          'match_rank_acc', 'csy_rank_acc'}
 
 
 def test_sharded_loss_equals_single_device(setup):

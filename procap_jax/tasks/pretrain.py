@@ -41,8 +41,8 @@ from procap_jax.tasks import masking
 
 BINARY_INPUTS = ('masked', 'visible')  # what the match and consistency heads judge
 SUM_KEYS = ('msm_ce', 'msm_correct', 'msm_count', 'align_sum', 'included', 'match_correct',
-            'match_pair_correct', 'csy_sum_all', 'csy_sum_included', 'csy_correct',
-            'csy_pair_correct')
+            'match_pair_correct', 'match_rank_correct', 'csy_sum_all', 'csy_sum_included',
+            'csy_correct', 'csy_pair_correct', 'csy_rank_correct')
 
 
 class Tokenizer(Protocol):
@@ -212,14 +212,20 @@ def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask
   match_pair = ((rel_pos > 0) & (rel_neg < 0)).astype(jnp.float32)  # [B]
   consistent = (vid_pos > 0).astype(jnp.float32) + (vid_neg < 0).astype(jnp.float32)  # [B]
   consistent_pair = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
+  # Threshold-free, per sample: does the positive score above its own negative (ties half;
+  # chance 0.5)? A head can rank right while every logit sits on one side of 0.
+  ranked = lambda p, n: (p > n).astype(jnp.float32) + 0.5 * (p == n).astype(jnp.float32)
+  match_rank, consistent_rank = ranked(rel_pos, rel_neg), ranked(vid_pos, vid_neg)  # [B]
   return dict(
       msm_ce=jnp.sum(ce * token_mask), msm_correct=jnp.sum(correct * token_mask),
       msm_count=jnp.sum(token_mask), align_sum=jnp.sum(align * included),
       included=jnp.sum(included), match_correct=jnp.sum(match * included),
       match_pair_correct=jnp.sum(match_pair * included),
+      match_rank_correct=jnp.sum(match_rank * included),
       csy_sum_all=jnp.sum(csy * validf), csy_sum_included=jnp.sum(csy * included),
       csy_correct=jnp.sum(consistent * included),
-      csy_pair_correct=jnp.sum(consistent_pair * included))
+      csy_pair_correct=jnp.sum(consistent_pair * included),
+      csy_rank_correct=jnp.sum(consistent_rank * included))
 
 
 def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
@@ -228,7 +234,9 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
   Accuracies over the included (not fully masked, valid) samples: masked-token top-1
   (`msm_acc`); match and consistency as binary classifiers, each positive and each negative one
   decision (`match_acc`, `csy_acc`: chance 0.5); and per pair, both decisions right
-  (`match_pair_acc`: rel+ > 0 and rel- < 0, `csy_pair_acc` likewise; chance 0.25).
+  (`match_pair_acc`: rel+ > 0 and rel- < 0, `csy_pair_acc` likewise; chance 0.25); and
+  threshold-free, the positive above its own negative (`match_rank_acc`: rel+ > rel-,
+  `csy_rank_acc`: vid+ > vid-; ties count half; chance 0.5).
   """
   norm = config.pretrain.csy_normalisation
   if norm not in ('code', 'mean'):
@@ -241,7 +249,9 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
              match_acc=sums['match_correct'] / (2.0 * included),
              csy_acc=sums['csy_correct'] / (2.0 * included),
              match_pair_acc=sums['match_pair_correct'] / included,
-             csy_pair_acc=sums['csy_pair_correct'] / included)
+             csy_pair_acc=sums['csy_pair_correct'] / included,
+             match_rank_acc=sums['match_rank_correct'] / included,
+             csy_rank_acc=sums['csy_rank_correct'] / included)
   w = config.pretrain.loss_weights
   out['loss'] = w.msm * out['loss_msm'] + w.align * out['loss_align'] + w.csy * out['loss_csy']
   return out
