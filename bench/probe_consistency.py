@@ -31,10 +31,14 @@ distractor, from the frames alone, when told the answer directly? Label 1 = chan
             features: a comparison made by hand, at the same positions.
   encoder   the run's ProcedureEncoder from scratch, frames only (an empty caption), its [REL]
             head (or [VID], `--head vid`) trained with BCE on the label (batch 8, `--lr` after
-            a 100-step warmup).
-Its records add `chance`, the held-out share of the larger class (about 0.5).
+            a 100-step warmup); `--init stage1` starts it from the run's stage-1 checkpoint.
+Its records add `chance`, the held-out share of the larger class (about 0.5), and three
+threshold-free figures of the held-out logits: `held_out_auc` (ROC AUC, 0.5 = no ranking),
+`logit_mean` and `logit_std`. Accuracy alone cannot tell a head that ranks the clips but sits
+off its threshold (AUC > 0.5, |mean| > std) from one whose logits no longer depend on the clip
+(AUC near 0.5, std near 0).
 
-One JSON line per evaluation: {probe, keep, step, samples, held_out_acc}.
+One JSON line per evaluation: {probe, keep, step, samples, held_out_acc} (more for `--task change`).
 """
 
 import argparse
@@ -45,8 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scipy.stats
 
 from bench import common
+from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.tasks import corruptions
@@ -221,10 +227,21 @@ def probe_detector(tokens, text, n_train: int, steps: int, every: int, batch: in
              'held_out_acc': correct / total}
 
 
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+  """ROC AUC of `scores` [M] for bool `labels` [M] (Mann-Whitney, ties count half); 0.5 when
+  one class is absent."""
+  pos, neg = scores[labels], scores[~labels]
+  if not len(pos) or not len(neg):
+    return 0.5
+  ranks = scipy.stats.rankdata(np.concatenate([pos, neg]))  # average ranks for ties
+  return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
 def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every: int,
                 lr: float, warmup: int = 0):
   """Yields records of `apply(params, x[i]) -> logits` trained with BCE on labels `y` [M] on
-  the first `n_train` rows (batch 8, Adam, global-norm clip 1), scored on the rest."""
+  the first `n_train` rows (batch 8, Adam, global-norm clip 1), scored on the rest: accuracy at
+  logit 0, and (threshold-free) the ROC AUC and the mean and spread of the held-out logits."""
   y = np.asarray(y, np.float32)
   schedule = optax.linear_schedule(lr * 1e-3, lr, warmup) if warmup else lr
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
@@ -245,14 +262,17 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
     params, opt = step(params, opt, x[i], y[i])
     if s % every == 0:
       v = np.concatenate([np.asarray(evaluate(params, x[j:j + 64]))
-                          for j in range(n_train, len(x), 64)])
+                          for j in range(n_train, len(x), 64)])  # [M - n_train] logits
       yield {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
-             'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance}
+             'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance,
+             'held_out_auc': _auc(v, held), 'logit_mean': float(v.mean()),
+             'logit_std': float(v.std())}
 
 
 def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float,
-                 head: str = 'rel'):
-  """Yields records of the two `--task change` probes (see the module docstring)."""
+                 head: str = 'rel', init_params=None):
+  """Yields records of the two `--task change` probes (see the module docstring); the encoder
+  starts from `init_params` (e.g. the run's stage-1 parameters) when given, else from scratch."""
   diff = np.abs(clean[:, -1] - clean[:, 0])  # [M, h, w, C]: after vs before, same position
   pooled = np.concatenate([diff.max((1, 2)), diff.mean((1, 2))], -1)  # [M, 2C]
   mu, sd = pooled[:n_train].mean(0), pooled[:n_train].std(0) + 1e-6
@@ -263,6 +283,8 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
 
   model = pretrain.build_model(config)
   params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
+  if init_params is not None:
+    params = jax.tree.map(jnp.asarray, init_params)
   t, n = clean.shape[1], clean.shape[2] * clean.shape[3]
 
   def apply_encoder(p, x):  # frames only: an empty caption, nothing masked
@@ -286,6 +308,9 @@ def main():
   parser.add_argument('--task', default='csy', choices=('csy', 'align', 'change'))
   parser.add_argument('--head', default='rel', choices=('rel', 'vid'),
                       help='--task change: the encoder head trained on the label')
+  parser.add_argument('--init', default='scratch', choices=('scratch', 'stage1'),
+                      help="--task change: the encoder from scratch or from the run's stage-1 "
+                           'checkpoint (best)')
   parser.add_argument('--detector-batch', type=int, default=64,
                       help='batch of the align detector probes')
   args = parser.parse_args()
@@ -304,8 +329,14 @@ def main():
     if change.all() or not change.any():
       raise SystemExit('error: --task change needs both change pairs and no-change distractors '
                        'in the training split (the synthetic benchmark has both)')
+    init = None
+    if args.init == 'stage1':
+      try:
+        init = checkpointing.load_stage_variables(args.workdir, 'pretrain', which='best')['params']
+      except errors.UserError as e:
+        raise SystemExit(f'error: {e}') from None
     for record in probe_change(config, clean, change, n_train, args.steps, args.every, args.lr,
-                               args.head):
+                               args.head, init):
       common.emit(record)
     return
   if args.task == 'csy':

@@ -30,10 +30,47 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
   by_probe = {}
   for r in records:
     by_probe.setdefault(r['probe'], []).append(r)
-    assert set(r) == {'probe', 'keep', 'step', 'samples', 'held_out_acc', 'chance'}
+    assert set(r) == {'probe', 'keep', 'step', 'samples', 'held_out_acc', 'chance',
+                      'held_out_auc', 'logit_mean', 'logit_std'}
     assert 0.0 <= r['held_out_acc'] <= 1.0
+    assert 0.0 <= r['held_out_auc'] <= 1.0 and r['logit_std'] >= 0.0
     assert r['chance'] == pytest.approx(max(change[160:].mean(), 1 - change[160:].mean()))
   assert [r['step'] for r in by_probe['change_diff_mlp']] == [20, 40, 60]
   assert [r['step'] for r in by_probe['change_encoder_rel']] == [20, 40, 60]
   # the hand-made comparison sees the changed position at once
   assert by_probe['change_diff_mlp'][-1]['held_out_acc'] >= 0.9
+  assert by_probe['change_diff_mlp'][-1]['held_out_auc'] >= 0.9
+
+
+def test_auc_ranks_scores_with_ties_counted_half():
+  labels = np.array([True, True, False, False])
+  assert probe_consistency._auc(np.array([3.0, 2.0, 1.0, 0.0]), labels) == 1.0
+  assert probe_consistency._auc(np.array([0.0, 1.0, 2.0, 3.0]), labels) == 0.0
+  # one tie between a positive and a negative: 3 of 4 pairs ordered, the tie half
+  assert probe_consistency._auc(np.array([3.0, 1.0, 1.0, 0.0]), labels) == pytest.approx(0.875)
+  assert probe_consistency._auc(np.array([5.0, 5.0, 5.0, 5.0]), labels) == 0.5
+  assert probe_consistency._auc(np.array([1.0, 2.0]), np.array([True, True])) == 0.5
+
+
+def test_encoder_probe_starts_from_given_parameters(monkeypatch):
+  import jax
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  config.pretrain.model.text_vocab_size = 40
+  m = config.pretrain.model
+  clean, change = _clips(40, tuple(m.grid), m.feature_dim)
+  seen = {}
+
+  def fake_fit(name, apply, params, *args, **kwargs):
+    seen[name] = params
+    return iter(())
+
+  monkeypatch.setattr(probe_consistency, '_fit_binary', fake_fit)
+  list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3))
+  scratch = seen['change_encoder_rel']
+  given = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), scratch)
+  list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3, init_params=given))
+  leaves = jax.tree.leaves(seen['change_encoder_rel'])
+  assert len(leaves) == len(jax.tree.leaves(scratch))
+  assert all(np.all(np.asarray(x) == 0.5) for x in leaves)
+  assert not all(np.all(np.asarray(x) == 0.5) for x in jax.tree.leaves(scratch))
