@@ -29,6 +29,8 @@ caption on a changed clip, or the reverse): can a model tell a change pair from 
 distractor, from the frames alone, when told the answer directly? Label 1 = change pair.
   diff_mlp  the MLP (batch 8) on the spatial max and mean of |after - before| tokenizer
             features: a comparison made by hand, at the same positions.
+  pixel_diff_mlp  the same on each token's pixel-patch statistics (mean/std/max/min RGB):
+            how far the pixels themselves separate a change from the distractors' jitter.
   encoder   the run's ProcedureEncoder from scratch, frames only (an empty caption), its [REL]
             head (or [VID], `--head vid`) trained with BCE on the label (batch 8, `--lr` after
             a 100-step warmup); `--init stage1` starts it from the run's stage-1 checkpoint.
@@ -269,17 +271,27 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
              'logit_std': float(v.std())}
 
 
-def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float,
-                 head: str = 'rel', init_params=None):
-  """Yields records of the two `--task change` probes (see the module docstring); the encoder
-  starts from `init_params` (e.g. the run's stage-1 parameters) when given, else from scratch."""
-  diff = np.abs(clean[:, -1] - clean[:, 0])  # [M, h, w, C]: after vs before, same position
+def _pooled_difference(tokens: np.ndarray, n_train: int) -> np.ndarray:
+  """Spatial max and mean of |after - before| per channel, standardised on the training rows:
+  [M, T, h, w, C] -> [M, 2C]."""
+  diff = np.abs(tokens[:, -1] - tokens[:, 0])  # [M, h, w, C]: after vs before, same position
   pooled = np.concatenate([diff.max((1, 2)), diff.mean((1, 2))], -1)  # [M, 2C]
   mu, sd = pooled[:n_train].mean(0), pooled[:n_train].std(0) + 1e-6
-  pooled = (pooled - mu) / sd
-  mlp, apply_mlp = _mlp(pooled.shape[1])
-  yield from _fit_binary('change_diff_mlp', apply_mlp, mlp, pooled, change, n_train, steps,
-                         every, 1e-3)
+  return (pooled - mu) / sd
+
+
+def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float,
+                 head: str = 'rel', init_params=None, pixels=None):
+  """Yields records of the `--task change` probes (see the module docstring); the encoder
+  starts from `init_params` (e.g. the run's stage-1 parameters) when given, else from scratch.
+  With `pixels` [M, T, h, w, 12] (`patch_statistics`), the difference MLP also runs on them."""
+  inputs = [('change_diff_mlp', clean)]
+  if pixels is not None:
+    inputs.append(('change_pixel_diff_mlp', pixels))
+  for name, tokens in inputs:
+    pooled = _pooled_difference(tokens, n_train)
+    mlp, apply_mlp = _mlp(pooled.shape[1])
+    yield from _fit_binary(name, apply_mlp, mlp, pooled, change, n_train, steps, every, 1e-3)
 
   model = pretrain.build_model(config)
   params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
@@ -336,7 +348,7 @@ def main():
       except errors.UserError as e:
         raise SystemExit(f'error: {e}') from None
     for record in probe_change(config, clean, change, n_train, args.steps, args.every, args.lr,
-                               args.head, init):
+                               args.head, init, pixels):
       common.emit(record)
     return
   if args.task == 'csy':

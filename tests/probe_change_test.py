@@ -25,8 +25,9 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
   config.pretrain.model.text_vocab_size = 40
   m = config.pretrain.model
   clean, change = _clips(200, tuple(m.grid), m.feature_dim)
+  pixels = clean[..., :12]  # any [M, T, h, w, 12] array stands in for patch statistics
   records = list(probe_consistency.probe_change(config, clean, change, n_train=160, steps=60,
-                                                every=20, lr=1e-3))
+                                                every=20, lr=1e-3, pixels=pixels))
   by_probe = {}
   for r in records:
     by_probe.setdefault(r['probe'], []).append(r)
@@ -37,6 +38,7 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
     assert r['chance'] == pytest.approx(max(change[160:].mean(), 1 - change[160:].mean()))
   assert [r['step'] for r in by_probe['change_diff_mlp']] == [20, 40, 60]
   assert [r['step'] for r in by_probe['change_encoder_rel']] == [20, 40, 60]
+  assert [r['step'] for r in by_probe['change_pixel_diff_mlp']] == [20, 40, 60]
   # the hand-made comparison sees the changed position at once
   assert by_probe['change_diff_mlp'][-1]['held_out_acc'] >= 0.9
   assert by_probe['change_diff_mlp'][-1]['held_out_auc'] >= 0.9
