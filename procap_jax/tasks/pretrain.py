@@ -248,10 +248,11 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
              loss_csy=csy_sum / included, msm_acc=sums['msm_correct'] / tokens,
              match_acc=sums['match_correct'] / (2.0 * included),
              csy_acc=sums['csy_correct'] / (2.0 * included),
-             match_pair_acc=sums['match_pair_correct'] / included,
-             csy_pair_acc=sums['csy_pair_correct'] / included,
+             # before the pair figures: the console's val line shows the first eight metrics
              match_rank_acc=sums['match_rank_correct'] / included,
-             csy_rank_acc=sums['csy_rank_correct'] / included)
+             csy_rank_acc=sums['csy_rank_correct'] / included,
+             match_pair_acc=sums['match_pair_correct'] / included,
+             csy_pair_acc=sums['csy_pair_correct'] / included)
   w = config.pretrain.loss_weights
   out['loss'] = w.msm * out['loss_msm'] + w.align * out['loss_align'] + w.csy * out['loss_csy']
   return out
