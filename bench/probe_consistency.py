@@ -332,7 +332,10 @@ def main():
   from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
+  init = None
   try:
+    if args.task == 'change' and args.init == 'stage1':  # before minutes of encoding
+      init = checkpointing.load_stage_variables(args.workdir, 'pretrain', which='best')['params']
     clean, bad, text, pixels, change = encode_clips(config, args.workdir, args.clips)
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
@@ -341,12 +344,6 @@ def main():
     if change.all() or not change.any():
       raise SystemExit('error: --task change needs both change pairs and no-change distractors '
                        'in the training split (the synthetic benchmark has both)')
-    init = None
-    if args.init == 'stage1':
-      try:
-        init = checkpointing.load_stage_variables(args.workdir, 'pretrain', which='best')['params']
-      except errors.UserError as e:
-        raise SystemExit(f'error: {e}') from None
     for record in probe_change(config, clean, change, n_train, args.steps, args.every, args.lr,
                                args.head, init, pixels):
       common.emit(record)
