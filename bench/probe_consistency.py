@@ -294,8 +294,9 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
     yield from _fit_binary(name, apply_mlp, mlp, pooled, change, n_train, steps, every, 1e-3)
 
   model = pretrain.build_model(config)
-  params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
-  if init_params is not None:
+  if init_params is None:
+    params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
+  else:  # no scratch initialisation to throw away
     params = jax.tree.map(jnp.asarray, init_params)
   t, n = clean.shape[1], clean.shape[2] * clean.shape[3]
 
