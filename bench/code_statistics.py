@@ -29,6 +29,7 @@ from bench import common
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.tasks import pretrain
+from procap_jax.tasks import tokenizer
 
 
 def clip_encoder(config, workdir: str):
@@ -55,14 +56,13 @@ def statistics(codes: np.ndarray, train_codes: np.ndarray, codebook_size: int) -
   """The record's measures from codes [M, T, N] of the split and of train."""
   train_counts = np.bincount(train_codes.ravel(), minlength=codebook_size)
   counts = np.bincount(codes.ravel(), minlength=codebook_size)
-  p = counts / counts.sum()
-  nz = p[p > 0]
+  usage, perplexity = tokenizer.usage_stats(counts)
   return {
       'clips': int(len(codes)),
       'tokens': int(codes.size),
-      'most_frequent_code_acc': float(p[int(np.argmax(train_counts))]),
-      'perplexity': float(np.exp(-np.sum(nz * np.log(nz)))),
-      'usage': float(np.mean(counts > 0)),
+      'most_frequent_code_acc': float(counts[int(np.argmax(train_counts))] / counts.sum()),
+      'perplexity': perplexity,
+      'usage': usage,
       'keep_before_after': float(np.mean(codes[:, 0] == codes[:, -1])),
       'keep_adjacent': float(np.mean(codes[:, 1:] == codes[:, :-1])),
   }
