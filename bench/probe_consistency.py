@@ -73,7 +73,8 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
   def encode(frames, rng):
     x = frames.astype(jnp.float32) / 255.0  # [B, T, S, S, 3]
     corrupted, _ = corruptions.corrupt_from_config(rng, x, config)
-    enc = lambda v: pretrain._encode_clips(tokenizer.encode_features, params, v)  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    enc = lambda v: pretrain._encode_clips(tokenizer.encode_features, params, v)
     return enc(x), enc(corrupted)
 
   clean, bad, text, pixels, change = [], [], [], [], []
@@ -102,6 +103,12 @@ def _held_out_acc(logit_fn, clean, bad) -> float:
   return 0.5 * (float(np.mean(logit_fn(clean) > 0)) + float(np.mean(logit_fn(bad) < 0)))
 
 
+def _standardise(x: np.ndarray, n_train: int, *others: np.ndarray) -> list[np.ndarray]:
+  """`x` and `others` [M, d] standardised per column with the mean and std of x[:n_train]."""
+  mu, sd = x[:n_train].mean(0), x[:n_train].std(0) + 1e-6
+  return [(v - mu) / sd for v in (x,) + others]
+
+
 def _mlp(d: int):
   """(parameters, apply) of a one-hidden-layer GELU MLP [M, d] -> logits [M]."""
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -114,9 +121,7 @@ def _mlp(d: int):
 def probe_mlp(clean, bad, n_train: int, steps: int, every: int):
   """Yields records of an MLP on per-frame mean features."""
   pool = lambda x: x.mean((2, 3)).reshape(len(x), -1)  # [M, T*C]
-  xp, xn = pool(clean), pool(bad)
-  mu, sd = xp[:n_train].mean(0), xp[:n_train].std(0) + 1e-6
-  xp, xn = (xp - mu) / sd, (xn - mu) / sd
+  xp, xn = _standardise(pool(clean), n_train, pool(bad))
   params, apply = _mlp(xp.shape[1])
   tx = optax.adam(1e-3)
   opt = tx.init(params)
@@ -160,7 +165,8 @@ def probe_encoder(config, clean, bad, text, n_train: int, keep: float, steps: in
   @jax.jit
   def step(p, o, a, b, txt, rng):
     y = jnp.r_[jnp.ones(len(a)), jnp.zeros(len(b))]
-    g = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(logits(p, a, b, txt, rng), y).mean())(p)
+    bce = lambda p: optax.sigmoid_binary_cross_entropy(logits(p, a, b, txt, rng), y).mean()
+    g = jax.grad(bce)(p)
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o
 
@@ -276,8 +282,7 @@ def _pooled_difference(tokens: np.ndarray, n_train: int) -> np.ndarray:
   [M, T, h, w, C] -> [M, 2C]."""
   diff = np.abs(tokens[:, -1] - tokens[:, 0])  # [M, h, w, C]: after vs before, same position
   pooled = np.concatenate([diff.max((1, 2)), diff.mean((1, 2))], -1)  # [M, 2C]
-  mu, sd = pooled[:n_train].mean(0), pooled[:n_train].std(0) + 1e-6
-  return (pooled - mu) / sd
+  return _standardise(pooled, n_train)[0]
 
 
 def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr: float,
