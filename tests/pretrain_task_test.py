@@ -13,6 +13,7 @@ import pytest
 from configs import synthetic
 from procap_jax import sharding
 from procap_jax import train
+from procap_jax.tasks import corruptions
 from procap_jax.tasks import pretrain
 
 S, P, T, K, C, L = 16, 4, 4, 16, 7, 4
@@ -261,6 +262,24 @@ def test_evaluate_is_deterministic(setup):
                         'csy_acc', 'match_pair_acc', 'csy_pair_acc', 'match_rank_acc',
                         'csy_rank_acc'}
   assert all(isinstance(v, float) and math.isfinite(v) for v in first.values())
+
+
+def test_batch_logits_are_what_the_statistics_sum(setup):
+  # bench.head_logits reads these logits; the logged metrics must be their sums.
+  config, model, params, constants = setup
+  batch = _batch(np.random.default_rng(3), 6)
+  rng = jax.random.PRNGKey(5)
+  out = pretrain.batch_logits(params, constants['tokenizer'], batch, rng, config, model,
+                              PatchTokenizer())
+  sums = pretrain.batch_statistics(params, constants['tokenizer'], batch, rng, config, model,
+                                   PatchTokenizer())
+  for k in ('rel_pos', 'rel_neg', 'vid_pos', 'vid_neg', 'corruption', 'fully_masked'):
+    assert out[k].shape == (6,)
+  assert set(np.asarray(out['corruption']).tolist()) <= set(range(len(corruptions.KINDS)))
+  included = ~np.asarray(out['fully_masked'])
+  p, n = np.asarray(out['vid_pos'])[included], np.asarray(out['vid_neg'])[included]
+  np.testing.assert_allclose(sums['csy_rank_correct'], np.sum((p > n) + 0.5 * (p == n)))
+  np.testing.assert_allclose(sums['csy_correct'], np.sum(p > 0) + np.sum(n < 0))
 
 
 def test_loss_with_the_real_vqgan():

@@ -138,9 +138,25 @@ def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.A
   Returns:
     dict of float32 scalars keyed by SUM_KEYS.
   """
+  out = batch_logits(params, tokenizer_params, batch, rng, config, model, tokenizer)
+  return statistics_from_logits(out['frame_logits'], out['codes'], out['token_mask'],
+                                out['fully_masked'], jnp.asarray(batch['valid'], bool),
+                                out['rel_pos'], out['rel_neg'], out['vid_pos'], out['vid_neg'])
+
+
+def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
+                 config: ml_collections.ConfigDict, model: nn.Module,
+                 tokenizer: Tokenizer) -> dict:
+  """The stage-1 forwards of a batch (arguments as `batch_statistics`, which sums these).
+
+  Returns:
+    dict with frame_logits [B, T*N, K] of the reconstruction forward, codes int32 [B, T*N]
+    (its targets), token_mask bool [B, T*N] (True = masked), fully_masked bool [B], the head
+    logits rel_pos, rel_neg (own and swapped caption), vid_pos, vid_neg (clean and corrupted
+    clip), each [B], and corruption int32 [B] (index into `corruptions.KINDS`).
+  """
   frames = jnp.asarray(batch['keyframes'], jnp.float32) / 255.0  # [B, T, S, S, 3]
   text = jnp.asarray(batch['encoder_text'], jnp.int32)  # [B, L]
-  valid = jnp.asarray(batch['valid'], bool)  # [B]
   b = frames.shape[0]
   k_mask, k_corrupt = jax.random.split(rng)
 
@@ -148,7 +164,7 @@ def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.A
   codes = _encode_clips(tokenizer.encode_tokens, tokenizer_params, frames)  # [B, T, N]
   codes = codes.reshape(b, -1).astype(jnp.int32)  # [B, T*N]
   masks = masking.sample_masks_from_config(k_mask, b, config)
-  corrupted, _ = corruptions.corrupt_from_config(k_corrupt, frames, config)
+  corrupted, kind = corruptions.corrupt_from_config(k_corrupt, frames, config)
   features_neg = _encode_clips(tokenizer.encode_features, tokenizer_params, corrupted)
   text_swapped = swap_batch(text)
 
@@ -176,12 +192,9 @@ def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.A
   else:
     outs = [model.apply({'params': params}, *f, use_rel=True) for f in forwards]
   pos, neg_rel, neg_vid = outs[-3:]
-  frame_logits = outs[0]['frame_logits']
-  rel_pos, rel_neg = pos['rel_logit'], neg_rel['rel_logit']
-  vid_pos, vid_neg = pos['vid_logit'], neg_vid['vid_logit']
-
-  return statistics_from_logits(frame_logits, codes, mask.reshape(b, -1),
-                                fully_masked, valid, rel_pos, rel_neg, vid_pos, vid_neg)
+  return dict(frame_logits=outs[0]['frame_logits'], codes=codes, token_mask=mask.reshape(b, -1),
+              fully_masked=fully_masked, rel_pos=pos['rel_logit'], rel_neg=neg_rel['rel_logit'],
+              vid_pos=pos['vid_logit'], vid_neg=neg_vid['vid_logit'], corruption=kind)
 
 
 def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
