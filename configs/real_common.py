@@ -53,6 +53,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   config.pretrain.binary_inputs = 'masked'       # the original's binary-head inputs (4.4)
   pt = config.pretrain.train
   pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'
+  pt.decay_steps = 0                             # the original's constant lr after warmup
   pt.eval_every, pt.checkpoint_every, pt.log_every = 5000, 5000, 100
   c = config.caption.model
   c.hidden, c.heads, c.ffn, c.layers = 512, 8, 2048, decoder_layers

@@ -133,6 +133,9 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       warmup_min=1e-6,
       warmup_steps=10 if preset == 'tiny' else 100,
       warmup='log',                    # 'log' (original DeepSpeed WarmupLR) | 'linear'
+      # Last steps with the lr decayed linearly to 0 (0 = the original's constant lr); measured
+      # on the default: val loss 36.32 -> 36.14, test consistency 58.6 -> 61.4 % (fidelity.md).
+      decay_steps={'tiny': 0, 'quick': 0, 'default': 500}[preset],
       clip=1.0,
       log_every=10 if preset == 'tiny' else 50,
       eval_every={'tiny': 20, 'quick': 150, 'default': 250}[preset],

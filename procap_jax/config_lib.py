@@ -75,6 +75,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     tr = config[stage].train
     if tr.steps < 1 or tr.batch_size < 1:
       raise errors.UserError(f'config.{stage}.train.steps and batch_size must be positive')
+  pt = config.pretrain.train
+  if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
+    raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '
+                           f'between 0 (no decay) and the {pt.steps} training steps')
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:

@@ -25,6 +25,8 @@ def test_unknown_variant_is_rejected():
     ('data.frame_source', 'magic', 'frame_source'),
     ('caption.model.text_slot', 'x', 'text_slot'),
     ('data.image_size', 48, 'image_size'),
+    ('pretrain.train.decay_steps', 21, 'decay_steps'),   # the tiny preset trains 20 steps
+    ('pretrain.train.decay_steps', -1, 'decay_steps'),
 ])
 def test_bad_values(key, value, match):
   config = synthetic.get_config('tiny')

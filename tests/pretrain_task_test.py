@@ -156,6 +156,20 @@ def test_learning_rate_schedule():
   np.testing.assert_allclose(lr(10 ** 6), 1e-4, rtol=1e-6)
   config.pretrain.train.warmup = 'linear'
   np.testing.assert_allclose(pretrain.learning_rate(config)(2500), (1e-6 + 1e-4) / 2, rtol=1e-5)
+  # decay_steps: the last D updates of the run go linearly to 0; the warmup is untouched.
+  config.pretrain.train.update(dict(warmup='log', decay_steps=2000))
+  lr = pretrain.learning_rate(config, total_steps=10_000)
+  np.testing.assert_allclose(lr(99), 1e-6 + (1e-4 - 1e-6) * math.log(100) / math.log(5000),
+                             rtol=1e-5)
+  np.testing.assert_allclose(lr(8000), 1e-4, rtol=1e-6)
+  np.testing.assert_allclose(lr(9000), 0.5e-4, rtol=1e-5)
+  np.testing.assert_allclose(lr(9999), 0.5e-7, rtol=1e-3)
+  np.testing.assert_allclose(lr(10_000), 0.0, atol=1e-12)
+  for bad in (-1, 10_001):
+    config.pretrain.train.decay_steps = bad
+    with pytest.raises(ValueError, match='decay_steps'):
+      pretrain.learning_rate(config, total_steps=10_000)
+  config.pretrain.train.update(dict(warmup='linear', decay_steps=0))
   # First Adam update: lr(0) * sign(g), after clipping the global norm.
   opt = pretrain.make_optimizer(config, 100)
   g = {'w': jnp.array([30.0, -40.0])}

@@ -274,20 +274,34 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
 # ----------------------------------------------------------------------------- optimisation
 
 
-def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate(config: ml_collections.ConfigDict, total_steps: int = 0) -> optax.Schedule:
   """The original's DeepSpeed WarmupLR: lr(n) = lo + (lr - lo) ln(n + 1) / ln(W) for n < W
-  ('log'), or lo + (lr - lo) n / W ('linear'); then the constant lr. n = updates so far."""
+  ('log'), or lo + (lr - lo) n / W ('linear'); then the constant lr. n = updates so far.
+
+  With `decay_steps` D > 0 (not the original's; docs/fidelity.md) the last D of `total_steps`
+  updates decay the lr linearly to 0 (warmup-stable-decay): lr (total - n) / D for
+  n >= total - D. On the synthetic default it lowers the val loss and raises the consistency
+  accuracy (docs/fidelity.md).
+  """
   t = config.pretrain.train
   lo, hi, steps = float(t.warmup_min), float(t.lr), int(t.warmup_steps)
+  decay = int(t.get('decay_steps', 0))  # absent in the config.json of older runs
   if t.warmup not in ('log', 'linear'):
     raise ValueError(f"config.pretrain.train.warmup must be 'log' or 'linear', got {t.warmup!r}")
+  if decay < 0 or (decay and decay > total_steps):
+    raise ValueError(f'config.pretrain.train.decay_steps must be between 0 and the {total_steps} '
+                     f'training steps, got {decay}')
 
   def schedule(count):
     n = jnp.asarray(count, jnp.float32)
     if steps <= 1:
-      return jnp.full_like(n, hi)
-    frac = jnp.log(n + 1.0) / np.log(steps) if t.warmup == 'log' else n / steps
-    return jnp.where(n < steps, lo + (hi - lo) * frac, hi)
+      lr = jnp.full_like(n, hi)
+    else:
+      frac = jnp.log(n + 1.0) / np.log(steps) if t.warmup == 'log' else n / steps
+      lr = jnp.where(n < steps, lo + (hi - lo) * frac, hi)
+    if decay:
+      lr = jnp.minimum(lr, hi * jnp.clip((total_steps - n) / decay, 0.0, 1.0))
+    return lr
 
   return schedule
 
@@ -295,9 +309,8 @@ def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
 def make_optimizer(config: ml_collections.ConfigDict,
                    total_steps: int) -> optax.GradientTransformation:
   """Global-norm clip, then Adam (0.9, 0.999, 1e-8, no weight decay) on `learning_rate`."""
-  del total_steps  # constant after warmup
   return optax.chain(optax.clip_by_global_norm(config.pretrain.train.clip),
-                     optax.adam(learning_rate(config), b1=0.9, b2=0.999, eps=1e-8))
+                     optax.adam(learning_rate(config, total_steps), b1=0.9, b2=0.999, eps=1e-8))
 
 
 # ----------------------------------------------------------------------------- task
