@@ -35,7 +35,6 @@ import os
 
 import jax
 import numpy as np
-from scipy import stats
 
 from bench import common
 from procap_jax import checkpointing
@@ -79,10 +78,9 @@ def best_threshold(pos: np.ndarray, neg: np.ndarray) -> float:
   return float(candidates[int(np.argmax(acc))])
 
 
-def auc(pos: np.ndarray, neg: np.ndarray) -> float:
-  """ROC AUC of pos against neg (ties count half)."""
-  ranks = stats.rankdata(np.concatenate([pos, neg]))
-  return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+def rank_acc(pos: np.ndarray, neg: np.ndarray) -> float:
+  """Share of samples whose positive scores above its own negative (ties count half)."""
+  return float(np.mean((pos > neg) + 0.5 * (pos == neg)))
 
 
 def summary(pos: np.ndarray, neg: np.ndarray, threshold: float) -> dict:
@@ -92,8 +90,9 @@ def summary(pos: np.ndarray, neg: np.ndarray, threshold: float) -> dict:
       samples=int(len(pos)),
       acc_at_0=float((np.mean(pos > 0) + np.mean(neg < 0)) / 2),
       acc_at_threshold=float((np.mean(pos > threshold) + np.mean(neg <= threshold)) / 2),
-      threshold=threshold, auc=auc(pos, neg),
-      rank_acc=float(np.mean((pos > neg) + 0.5 * (pos == neg))),
+      threshold=threshold,
+      auc=common.roc_auc(np.concatenate([pos, neg]), np.arange(len(pos) + len(neg)) < len(pos)),
+      rank_acc=rank_acc(pos, neg),
       pos_mean=float(pos.mean()), pos_std=float(pos.std()),
       neg_mean=float(neg.mean()), neg_std=float(neg.std()), pos_neg_corr=float(corr))
 
@@ -105,7 +104,7 @@ def by_corruption(pos: np.ndarray, neg: np.ndarray, kind: np.ndarray) -> dict:
     sel = kind == i
     if sel.any():
       p, n = pos[sel], neg[sel]
-      out[name] = dict(count=int(sel.sum()), rank_acc=float(np.mean((p > n) + 0.5 * (p == n))),
+      out[name] = dict(count=int(sel.sum()), rank_acc=rank_acc(p, n),
                        neg_below_0=float(np.mean(n < 0)))
   return out
 

@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import scipy.stats
 
 from bench import common
 from procap_jax import checkpointing
@@ -235,16 +234,6 @@ def probe_detector(tokens, text, n_train: int, steps: int, every: int, batch: in
              'held_out_acc': correct / total}
 
 
-def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
-  """ROC AUC of `scores` [M] for bool `labels` [M] (Mann-Whitney, ties count half); 0.5 when
-  one class is absent."""
-  pos, neg = scores[labels], scores[~labels]
-  if not len(pos) or not len(neg):
-    return 0.5
-  ranks = scipy.stats.rankdata(np.concatenate([pos, neg]))  # average ranks for ties
-  return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
-
-
 def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every: int,
                 lr: float, warmup: int = 0):
   """Yields records of `apply(params, x[i]) -> logits` trained with BCE on labels `y` [M] on
@@ -273,7 +262,7 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
                           for j in range(n_train, len(x), 64)])  # [M - n_train] logits
       yield {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
              'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance,
-             'held_out_auc': _auc(v, held), 'logit_mean': float(v.mean()),
+             'held_out_auc': common.roc_auc(v, held), 'logit_mean': float(v.mean()),
              'logit_std': float(v.std())}
 
 

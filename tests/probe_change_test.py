@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from bench import common
 from bench import probe_consistency
 
 
@@ -46,12 +47,12 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
 
 def test_auc_ranks_scores_with_ties_counted_half():
   labels = np.array([True, True, False, False])
-  assert probe_consistency._auc(np.array([3.0, 2.0, 1.0, 0.0]), labels) == 1.0
-  assert probe_consistency._auc(np.array([0.0, 1.0, 2.0, 3.0]), labels) == 0.0
+  assert common.roc_auc(np.array([3.0, 2.0, 1.0, 0.0]), labels) == 1.0
+  assert common.roc_auc(np.array([0.0, 1.0, 2.0, 3.0]), labels) == 0.0
   # one tie between a positive and a negative: 3 of 4 pairs ordered, the tie half
-  assert probe_consistency._auc(np.array([3.0, 1.0, 1.0, 0.0]), labels) == pytest.approx(0.875)
-  assert probe_consistency._auc(np.array([5.0, 5.0, 5.0, 5.0]), labels) == 0.5
-  assert probe_consistency._auc(np.array([1.0, 2.0]), np.array([True, True])) == 0.5
+  assert common.roc_auc(np.array([3.0, 1.0, 1.0, 0.0]), labels) == pytest.approx(0.875)
+  assert common.roc_auc(np.array([5.0, 5.0, 5.0, 5.0]), labels) == 0.5
+  assert common.roc_auc(np.array([1.0, 2.0]), np.array([True, True])) == 0.5
 
 
 def test_encoder_probe_starts_from_given_parameters(monkeypatch):
