@@ -34,11 +34,17 @@ distractor, from the frames alone, when told the answer directly? Label 1 = chan
   encoder   the run's ProcedureEncoder from scratch, frames only (an empty caption), its [REL]
             head (or [VID], `--head vid`) trained with BCE on the label (batch 8, `--lr` after
             a 100-step warmup); `--init stage1` starts it from the run's stage-1 checkpoint.
+            `--head max` reads the frame tokens instead of a control token: a linear score of
+            each LayerNormed last-layer frame token, the clip's logit its max over the tokens,
+            so a change that one token detects is not averaged away.
 Its records add `chance`, the held-out share of the larger class (about 0.5), and three
 threshold-free figures of the held-out logits: `held_out_auc` (ROC AUC, 0.5 = no ranking),
 `logit_mean` and `logit_std`. Accuracy alone cannot tell a head that ranks the clips but sits
 off its threshold (AUC > 0.5, |mean| > std) from one whose logits no longer depend on the clip
-(AUC near 0.5, std near 0).
+(AUC near 0.5, std near 0). The encoder's records also describe the hidden state its head reads
+(the [REL] or [VID] row, or for `max` the top-scoring frame token): `read_mean_norm`, the norm
+of its mean over the held-out clips, and `read_clip_std`, the root of its summed variance
+across them. A clip-independent state has a large mean and a small spread.
 
 One JSON line per evaluation: {probe, keep, step, samples, held_out_acc} (more for `--task change`).
 """
@@ -235,10 +241,13 @@ def probe_detector(tokens, text, n_train: int, steps: int, every: int, batch: in
 
 
 def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every: int,
-                lr: float, warmup: int = 0):
+                lr: float, warmup: int = 0, read=None):
   """Yields records of `apply(params, x[i]) -> logits` trained with BCE on labels `y` [M] on
   the first `n_train` rows (batch 8, Adam, global-norm clip 1), scored on the rest: accuracy at
-  logit 0, and (threshold-free) the ROC AUC and the mean and spread of the held-out logits."""
+  logit 0, and (threshold-free) the ROC AUC and the mean and spread of the held-out logits.
+  With `read(params, x) -> [B, D]`, the hidden state the head reads: its records add
+  `read_mean_norm`, the norm of that state's mean over the held-out clips, and `read_clip_std`,
+  the root of its summed variance across them (how much of it depends on the clip at all)."""
   y = np.asarray(y, np.float32)
   schedule = optax.linear_schedule(lr * 1e-3, lr, warmup) if warmup else lr
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
@@ -251,6 +260,7 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
     return optax.apply_updates(p, u), o
 
   evaluate = jax.jit(apply)
+  read_hidden = jax.jit(read) if read is not None else None
   held = y[n_train:] > 0.5
   chance = float(max(held.mean(), 1.0 - held.mean()))
   rng = np.random.default_rng(0)
@@ -260,10 +270,16 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
     if s % every == 0:
       v = np.concatenate([np.asarray(evaluate(params, x[j:j + 64]))
                           for j in range(n_train, len(x), 64)])  # [M - n_train] logits
-      yield {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
-             'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance,
-             'held_out_auc': common.roc_auc(v, held), 'logit_mean': float(v.mean()),
-             'logit_std': float(v.std())}
+      record = {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
+                'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance,
+                'held_out_auc': common.roc_auc(v, held), 'logit_mean': float(v.mean()),
+                'logit_std': float(v.std())}
+      if read_hidden is not None:
+        h = np.concatenate([np.asarray(read_hidden(params, x[j:j + 64]))
+                            for j in range(n_train, len(x), 64)])  # [M - n_train, D]
+        record['read_mean_norm'] = float(np.linalg.norm(h.mean(0)))
+        record['read_clip_std'] = float(np.sqrt(np.sum(h.var(0))))
+      yield record
 
 
 def _pooled_difference(tokens: np.ndarray, n_train: int) -> np.ndarray:
@@ -292,16 +308,35 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
     params = nn.meta.unbox(pretrain.init_params(model, config, jax.random.key(0), None))
   else:  # no scratch initialisation to throw away
     params = jax.tree.map(jnp.asarray, init_params)
+  params = {'encoder': params}
+  if head == 'max':  # a linear score per frame token, read out by its max over the tokens
+    params['max_readout'] = {'w': jnp.zeros(model.width), 'b': jnp.zeros(())}
   t, n = clean.shape[1], clean.shape[2] * clean.shape[3]
 
-  def apply_encoder(p, x):  # frames only: an empty caption, nothing masked
+  def forward(p, x):  # frames only: an empty caption, nothing masked
     empty = jnp.zeros((x.shape[0], model.text_len), jnp.int32)
-    out = model.apply({'params': p}, empty, x, jnp.zeros((x.shape[0], t, n), bool),
-                      use_rel=True)
-    return out[f'{head}_logit']  # [B]
+    return model.apply({'params': p['encoder']}, empty, x, jnp.zeros((x.shape[0], t, n), bool),
+                       use_rel=True)
+
+  def token_scores(p, x):  # [B, T*N] scores and [B, T*N, D] LayerNormed frame hidden states
+    h = forward(p, x)['frame_hidden']
+    h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+    return h @ p['max_readout']['w'] + p['max_readout']['b'], h
+
+  def apply_encoder(p, x):
+    if head == 'max':
+      return token_scores(p, x)[0].max(-1)  # [B]
+    return forward(p, x)[f'{head}_logit']  # [B]
+
+  def read(p, x):  # the hidden state the head reads: [B, D]
+    if head == 'max':
+      scores, h = token_scores(p, x)
+      return jnp.take_along_axis(h, scores.argmax(-1)[:, None, None], axis=1)[:, 0]
+    row = 0 if head == 'rel' else model.text_len + 2  # [REL] | [VID] (after the text and [ST1])
+    return forward(p, x)['hidden'][:, row]
 
   yield from _fit_binary(f'change_encoder_{head}', apply_encoder, params, clean, change, n_train,
-                         steps, every, lr, warmup=100)
+                         steps, every, lr, warmup=100, read=read)
 
 
 def main():
@@ -313,8 +348,9 @@ def main():
   parser.add_argument('--every', type=int, default=100)
   parser.add_argument('--lr', type=float, default=1e-3)
   parser.add_argument('--task', default='csy', choices=('csy', 'align', 'change'))
-  parser.add_argument('--head', default='rel', choices=('rel', 'vid'),
-                      help='--task change: the encoder head trained on the label')
+  parser.add_argument('--head', default='rel', choices=('rel', 'vid', 'max'),
+                      help='--task change: the encoder head trained on the label (max: a linear '
+                           'score per frame token, its max over the tokens)')
   parser.add_argument('--init', default='scratch', choices=('scratch', 'stage1'),
                       help="--task change: the encoder from scratch or from the run's stage-1 "
                            'checkpoint (best)')

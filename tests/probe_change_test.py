@@ -32,8 +32,12 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
   by_probe = {}
   for r in records:
     by_probe.setdefault(r['probe'], []).append(r)
-    assert set(r) == {'probe', 'keep', 'step', 'samples', 'held_out_acc', 'chance',
-                      'held_out_auc', 'logit_mean', 'logit_std'}
+    expected = {'probe', 'keep', 'step', 'samples', 'held_out_acc', 'chance', 'held_out_auc',
+                'logit_mean', 'logit_std'}
+    if r['probe'].startswith('change_encoder'):  # the state its head reads
+      expected |= {'read_mean_norm', 'read_clip_std'}
+      assert r['read_mean_norm'] > 0.0 and r['read_clip_std'] > 0.0
+    assert set(r) == expected
     assert 0.0 <= r['held_out_acc'] <= 1.0
     assert 0.0 <= r['held_out_auc'] <= 1.0 and r['logit_std'] >= 0.0
     assert r['chance'] == pytest.approx(max(change[160:].mean(), 1 - change[160:].mean()))
@@ -70,10 +74,48 @@ def test_encoder_probe_starts_from_given_parameters(monkeypatch):
 
   monkeypatch.setattr(probe_consistency, '_fit_binary', fake_fit)
   list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3))
-  scratch = seen['change_encoder_rel']
+  scratch = seen['change_encoder_rel']['encoder']
   given = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), scratch)
   list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3, init_params=given))
-  leaves = jax.tree.leaves(seen['change_encoder_rel'])
+  leaves = jax.tree.leaves(seen['change_encoder_rel']['encoder'])
   assert len(leaves) == len(jax.tree.leaves(scratch))
   assert all(np.all(np.asarray(x) == 0.5) for x in leaves)
   assert not all(np.all(np.asarray(x) == 0.5) for x in jax.tree.leaves(scratch))
+
+
+@pytest.mark.parametrize('head', ['rel', 'vid', 'max'])
+def test_encoder_probe_reads_the_state_its_head_scores(head, monkeypatch):
+  """`read` returns the hidden state the head turns into the logit: the [REL] or [VID] row
+  through that head's LayerNorm + Dense, or the frame token whose score is the max."""
+  import jax
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  config.pretrain.model.text_vocab_size = 40
+  m = config.pretrain.model
+  clean, change = _clips(8, tuple(m.grid), m.feature_dim)
+  seen = {}
+
+  def fake_fit(name, apply, params, *args, **kwargs):
+    if name.startswith('change_encoder'):
+      seen.update(apply=apply, params=params, read=kwargs['read'])
+    return iter(())
+
+  monkeypatch.setattr(probe_consistency, '_fit_binary', fake_fit)
+  list(probe_consistency.probe_change(config, clean, change, 4, 1, 1, 1e-3, head=head))
+  params = seen['params']
+  if head == 'max':  # a non-zero readout, so the tokens' scores differ
+    params['max_readout']['w'] = jax.random.normal(jax.random.key(1), (m.width,))
+  logits = np.asarray(seen['apply'](params, clean))
+  state = np.asarray(seen['read'](params, clean))
+  assert state.shape == (8, m.width)
+  if head == 'max':
+    scored = state @ np.asarray(params['max_readout']['w']) + float(params['max_readout']['b'])
+  else:
+    head_params = params['encoder'][f'to_logits_{head}']
+    normed = (state - state.mean(-1, keepdims=True)) / np.sqrt(state.var(-1, keepdims=True) + 1e-5)
+    normed = normed * np.asarray(head_params['norm']['scale']) + np.asarray(
+        head_params['norm']['bias'])
+    scored = (normed @ np.asarray(head_params['dense']['kernel']))[:, 0] + np.asarray(
+        head_params['dense']['bias'])[0]
+  np.testing.assert_allclose(scored, logits, rtol=1e-4, atol=1e-4)
+  assert np.std(logits) > 0.0  # the clips differ, so a wrong row or token would show
