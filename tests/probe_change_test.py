@@ -59,25 +59,32 @@ def test_auc_ranks_scores_with_ties_counted_half():
   assert common.roc_auc(np.array([1.0, 2.0]), np.array([True, True])) == 0.5
 
 
-def test_encoder_probe_starts_from_given_parameters(monkeypatch):
-  import jax
+def _tiny_clips_and_fits(monkeypatch, m: int):
+  """(tiny config, clips, labels, fits): `_fit_binary` is replaced by a recorder, so
+  `probe_change` only builds its probes; fits[name] = (apply, params, keyword arguments)."""
   from configs import synthetic
   config = synthetic.get_config('tiny')
   config.pretrain.model.text_vocab_size = 40
-  m = config.pretrain.model
-  clean, change = _clips(40, tuple(m.grid), m.feature_dim)
-  seen = {}
+  model = config.pretrain.model
+  clean, change = _clips(m, tuple(model.grid), model.feature_dim)
+  fits = {}
 
-  def fake_fit(name, apply, params, *args, **kwargs):
-    seen[name] = params
+  def record_fit(name, apply, params, *args, **kwargs):
+    fits[name] = (apply, params, kwargs)
     return iter(())
 
-  monkeypatch.setattr(probe_consistency, '_fit_binary', fake_fit)
+  monkeypatch.setattr(probe_consistency, '_fit_binary', record_fit)
+  return config, clean, change, fits
+
+
+def test_encoder_probe_starts_from_given_parameters(monkeypatch):
+  import jax
+  config, clean, change, fits = _tiny_clips_and_fits(monkeypatch, 40)
   list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3))
-  scratch = seen['change_encoder_rel']['encoder']
+  scratch = fits['change_encoder_rel'][1]['encoder']
   given = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), scratch)
   list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3, init_params=given))
-  leaves = jax.tree.leaves(seen['change_encoder_rel']['encoder'])
+  leaves = jax.tree.leaves(fits['change_encoder_rel'][1]['encoder'])
   assert len(leaves) == len(jax.tree.leaves(scratch))
   assert all(np.all(np.asarray(x) == 0.5) for x in leaves)
   assert not all(np.all(np.asarray(x) == 0.5) for x in jax.tree.leaves(scratch))
@@ -88,25 +95,14 @@ def test_encoder_probe_reads_the_state_its_head_scores(head, monkeypatch):
   """`read` returns the hidden state the head turns into the logit: the [REL] or [VID] row
   through that head's LayerNorm + Dense, or the frame token whose score is the max."""
   import jax
-  from configs import synthetic
-  config = synthetic.get_config('tiny')
-  config.pretrain.model.text_vocab_size = 40
+  config, clean, change, fits = _tiny_clips_and_fits(monkeypatch, 8)
   m = config.pretrain.model
-  clean, change = _clips(8, tuple(m.grid), m.feature_dim)
-  seen = {}
-
-  def fake_fit(name, apply, params, *args, **kwargs):
-    if name.startswith('change_encoder'):
-      seen.update(apply=apply, params=params, read=kwargs['read'])
-    return iter(())
-
-  monkeypatch.setattr(probe_consistency, '_fit_binary', fake_fit)
   list(probe_consistency.probe_change(config, clean, change, 4, 1, 1, 1e-3, head=head))
-  params = seen['params']
+  apply, params, kwargs = fits[f'change_encoder_{head}']
   if head == 'max':  # a non-zero readout, so the tokens' scores differ
     params['max_readout']['w'] = jax.random.normal(jax.random.key(1), (m.width,))
-  logits = np.asarray(seen['apply'](params, clean))
-  state = np.asarray(seen['read'](params, clean))
+  logits = np.asarray(apply(params, clean))
+  state = np.asarray(kwargs['read'](params, clean))
   assert state.shape == (8, m.width)
   if head == 'max':
     scored = state @ np.asarray(params['max_readout']['w']) + float(params['max_readout']['b'])
