@@ -215,7 +215,8 @@ def main():
         continue
       child = ['--config', args.config, '--stage', stage, '--steps', str(args.steps),
                '--dtype', dtype, *(['--batch', str(args.batch)] if args.batch else []),
-               *[f'--set={s}' for s in args.set], *(['--compile_only'] if args.compile_only else [])]
+               *[f'--set={s}' for s in args.set],
+               *(['--compile_only'] if args.compile_only else [])]
       for record in common.run_child('bench.train_step', child):
         common.emit(record)
 

@@ -122,7 +122,7 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
   ))
   p.loss_weights = ml_collections.ConfigDict(dict(msm=7.0, align=0.5, csy=0.5))
   p.csy_normalisation = 'code'         # 'code': fully masked samples in the numerator only; 'mean'
-  p.fused_forwards = True              # the 3 stage-1 forwards as one call of batch 3B (same losses)
+  p.fused_forwards = True              # the 3 stage-1 forwards as one batch-3B call (same losses)
   # Match/consistency judged on 'masked' frames (original) | 'visible' frames (a 4th forward;
   # docs/fidelity.md: on the original's masks a consistency head stays at chance).
   p.binary_inputs = 'masked' if preset == 'tiny' else 'visible'
@@ -158,7 +158,7 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       max_len=24,
       attention_scale='d_model',       # original quirk; 'head_dim' = standard 1/sqrt(d_head)
       qkv_bias=False,                  # original: q/k/v/o projections without bias
-      layernorm='unbiased_std',        # original: gamma*(x-mean)/(std_unbiased+eps)+beta; 'standard'
+      layernorm='unbiased_std',        # original: g*(x-mean)/(std_unbiased+eps)+b; 'standard'
       text_slot='code',                # stage-2 text slots: 'code' rows 0..L-1 | 'padding' | 'none'
       stage2_mask='code',              # 'code': original off-by-one [ST1]/[VID] rows | 'aligned'
       use_queries=True,                # False: static baseline memory (before/after only)

@@ -106,7 +106,8 @@ def create_state(task: 'Task', model, config, tx, rng, example_batch, mesh):
   abstract_params = sharding.unbox(boxed)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   opt_sh = _opt_shardings(abstract_opt, param_sh, abstract_params, mesh)
-  abstract_ms = jax.eval_shape(lambda r: task.init_model_state(model, config, r, example_batch), rng)
+  abstract_ms = jax.eval_shape(
+      lambda r: task.init_model_state(model, config, r, example_batch), rng)
   ms_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_ms)
   state_sh = TrainState(step=sharding.replicated(mesh), params=param_sh, opt_state=opt_sh,
                         model_state=ms_sh)
@@ -239,8 +240,9 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   total = int(tcfg.steps)
   batch_size = int(tcfg.batch_size)
   if batch_size % mesh.shape['data']:
-    raise errors.UserError(f'{task.name} batch size {batch_size} is not divisible by the mesh data '
-                           f'axis ({mesh.shape["data"]}); change config.{task.name}.train.batch_size')
+    raise errors.UserError(f'{task.name} batch size {batch_size} is not divisible by the mesh '
+                           f'data axis ({mesh.shape["data"]}); change '
+                           f'config.{task.name}.train.batch_size')
   seed = int(config.seed)
   select_name, select_mode = SELECTION[task.name]
 

@@ -46,7 +46,8 @@ def data_dir(config, workdir: str) -> str:
 
 def dataset_dir(config, workdir: str) -> str:
   """The prepared dataset's version directory (vocabulary and scores files live there)."""
-  return datasets.dataset_dir(config.data.name, config.data.builder_config, data_dir(config, workdir))
+  return datasets.dataset_dir(config.data.name, config.data.builder_config,
+                              data_dir(config, workdir))
 
 
 @functools.lru_cache(maxsize=16)
@@ -172,7 +173,8 @@ class _Transform:
     frames = record[key]
     if len(frames) == 0:
       raise errors.UserError(f'this dataset has no {key!r}; set config.data.frame_source to '
-                             "'frames' or 'crossfade' (oracle frames exist for synthetic data only)")
+                             "'frames' or 'crossfade' (oracle frames exist for synthetic data "
+                             'only)')
     return frames
 
   def __call__(self, record: dict, index: int, rng: np.random.Generator) -> dict:
