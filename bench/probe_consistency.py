@@ -4,6 +4,7 @@ r"""Can stage 1's consistency task be learned, and does masking stop it? Probes 
   python -m bench.probe_consistency --workdir W --keep 0.2,1.0 --steps 1500
   python -m bench.probe_consistency --workdir W --task align       # the caption-match head
   python -m bench.probe_consistency --workdir W --task change      # change or not, told directly
+  python -m bench.probe_consistency --workdir W --task change --toy  # the same on hand-made clips
 
 Dimension legend: B batch, T frames, h x w tokenizer grid, C feature channels.
 
@@ -37,6 +38,11 @@ distractor, from the frames alone, when told the answer directly? Label 1 = chan
             `--head max` reads the frame tokens instead of a control token: a linear score of
             each LayerNormed last-layer frame token, the clip's logit its max over the tokens,
             so a change that one token detects is not averaged away.
+`--toy` replaces the run's clips by hand-made ones of the run's shapes (`toy_change_clips`):
+random features, the after frame a noisy copy of the before frame, and in change clips one
+token of the after frame moved by 3 standard deviations; frames 2 to T-1 are independent noise.
+No tokenizer is read. It asks whether the encoder can learn a before/after comparison at the
+same position at all, where the difference MLP needs a hundred steps.
 Its records add `chance`, the held-out share of the larger class (about 0.5), and three
 threshold-free figures of the held-out logits: `held_out_auc` (ROC AUC, 0.5 = no ranking),
 `logit_mean` and `logit_std`. Accuracy alone cannot tell a head that ranks the clips but sits
@@ -93,6 +99,21 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
     change.append(np.asarray(batch['change_type']) != pipeline.CHANGE_TYPES.index('none'))
   return (np.concatenate(clean), np.concatenate(bad), np.concatenate(text),
           np.concatenate(pixels), np.concatenate(change))
+
+
+def toy_change_clips(m: int, grid: tuple[int, int], channels: int, seed: int = 0):
+  """`--toy` clips: (features [m, 4, h, w, C] float32, change [m] bool). Every frame is
+  N(0, 1) noise except the after frame, the before frame plus N(0, 0.05^2) (a nuisance); in
+  change clips (about half) one random token of the after frame gains 3.0 in every channel."""
+  rng = np.random.default_rng(seed)
+  h, w = grid
+  clean = rng.normal(size=(m, 4, h, w, channels)).astype(np.float32)
+  clean[:, -1] = clean[:, 0] + 0.05 * rng.normal(size=(m, h, w, channels))
+  change = rng.random(m) < 0.5
+  for i in np.flatnonzero(change):
+    y, x = rng.integers(h), rng.integers(w)
+    clean[i, -1, y, x] += 3.0
+  return clean, change
 
 
 def patch_statistics(keyframes: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
@@ -354,6 +375,9 @@ def main():
   parser.add_argument('--init', default='scratch', choices=('scratch', 'stage1'),
                       help="--task change: the encoder from scratch or from the run's stage-1 "
                            'checkpoint (best)')
+  parser.add_argument('--toy', action='store_true',
+                      help='--task change: hand-made clips of the run\'s shapes instead of its '
+                           'data (see the module docstring); reads no tokenizer')
   parser.add_argument('--detector-batch', type=int, default=64,
                       help='batch of the align detector probes')
   args = parser.parse_args()
@@ -363,11 +387,18 @@ def main():
   from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
+  if args.toy and args.task != 'change':
+    raise SystemExit('error: --toy applies to --task change only')
   init = None
   try:
     if args.task == 'change' and args.init == 'stage1':  # before minutes of encoding
       init = checkpointing.load_stage_variables(args.workdir, 'pretrain', which='best')['params']
-    clean, bad, text, pixels, change = encode_clips(config, args.workdir, args.clips)
+    if args.toy:
+      m = config.pretrain.model
+      clean, change = toy_change_clips(args.clips, tuple(m.grid), int(m.feature_dim))
+      pixels = None
+    else:
+      clean, bad, text, pixels, change = encode_clips(config, args.workdir, args.clips)
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
   n_train = int(0.8 * len(clean))

@@ -7,25 +7,12 @@ from bench import common
 from bench import probe_consistency
 
 
-def _clips(m: int, grid: tuple[int, int], channels: int, seed: int = 0):
-  """Random clips [m, 4, h, w, C]; in change clips one position of the after frame moves."""
-  rng = np.random.default_rng(seed)
-  h, w = grid
-  clean = rng.normal(size=(m, 4, h, w, channels)).astype(np.float32)
-  clean[:, -1] = clean[:, 0] + 0.05 * rng.normal(size=(m, h, w, channels))  # a nuisance
-  change = rng.random(m) < 0.5
-  for i in np.flatnonzero(change):
-    y, x = rng.integers(h), rng.integers(w)
-    clean[i, -1, y, x] += 3.0  # one object changes
-  return clean, change
-
-
 def test_difference_mlp_learns_a_local_change_and_records_are_complete():
   from configs import synthetic
   config = synthetic.get_config('tiny')
   config.pretrain.model.text_vocab_size = 40
   m = config.pretrain.model
-  clean, change = _clips(200, tuple(m.grid), m.feature_dim)
+  clean, change = probe_consistency.toy_change_clips(200, tuple(m.grid), m.feature_dim)
   pixels = clean[..., :12]  # any [M, T, h, w, 12] array stands in for patch statistics
   records = list(probe_consistency.probe_change(config, clean, change, n_train=160, steps=60,
                                                 every=20, lr=1e-3, pixels=pixels))
@@ -66,7 +53,7 @@ def _tiny_clips_and_fits(monkeypatch, m: int):
   config = synthetic.get_config('tiny')
   config.pretrain.model.text_vocab_size = 40
   model = config.pretrain.model
-  clean, change = _clips(m, tuple(model.grid), model.feature_dim)
+  clean, change = probe_consistency.toy_change_clips(m, tuple(model.grid), model.feature_dim)
   fits = {}
 
   def record_fit(name, apply, params, *args, **kwargs):
@@ -115,3 +102,12 @@ def test_encoder_probe_reads_the_state_its_head_scores(head, monkeypatch):
         head_params['dense']['bias'])[0]
   np.testing.assert_allclose(scored, logits, rtol=1e-4, atol=1e-4)
   assert np.std(logits) > 0.0  # the clips differ, so a wrong row or token would show
+
+
+def test_toy_clips_move_one_token_of_the_after_frame_in_change_clips_only():
+  clean, change = probe_consistency.toy_change_clips(64, (4, 5), 6, seed=3)
+  assert clean.shape == (64, 4, 4, 5, 6) and clean.dtype == np.float32
+  assert 0 < change.sum() < 64
+  moved = np.abs(clean[:, -1] - clean[:, 0]).max(-1) > 1.0  # [M, h, w]: tokens that moved
+  assert np.array_equal(moved.sum((1, 2)), change.astype(int))
+  assert np.allclose((clean[:, -1] - clean[:, 0])[moved], 3.0, atol=0.5)
