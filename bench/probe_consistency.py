@@ -266,9 +266,10 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
   """Yields records of `apply(params, x[i]) -> logits` trained with BCE on labels `y` [M] on
   the first `n_train` rows (batch 8, Adam, global-norm clip 1), scored on the rest: accuracy at
   logit 0, and (threshold-free) the ROC AUC and the mean and spread of the held-out logits.
-  With `read(params, x) -> [B, D]`, the hidden state the head reads: its records add
-  `read_mean_norm`, the norm of that state's mean over the held-out clips, and `read_clip_std`,
-  the root of its summed variance across them (how much of it depends on the clip at all)."""
+  With `read(params, x) -> (logits [B], state [B, D])`, the logits and the hidden state the head
+  reads from one forward, evaluation uses it and the records add `read_mean_norm`, the norm of
+  that state's mean over the held-out clips, and `read_clip_std`, the root of its summed
+  variance across them (how much of it depends on the clip at all)."""
   y = np.asarray(y, np.float32)
   schedule = optax.linear_schedule(lr * 1e-3, lr, warmup) if warmup else lr
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
@@ -280,8 +281,7 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o
 
-  evaluate = jax.jit(apply)
-  read_hidden = jax.jit(read) if read is not None else None
+  evaluate = jax.jit(read if read is not None else lambda p, xb: (apply(p, xb), None))
   held = y[n_train:] > 0.5
   chance = float(max(held.mean(), 1.0 - held.mean()))
   rng = np.random.default_rng(0)
@@ -289,15 +289,14 @@ def _fit_binary(name: str, apply, params, x, y, n_train: int, steps: int, every:
     i = rng.integers(0, n_train, 8)
     params, opt = step(params, opt, x[i], y[i])
     if s % every == 0:
-      v = np.concatenate([np.asarray(evaluate(params, x[j:j + 64]))
-                          for j in range(n_train, len(x), 64)])  # [M - n_train] logits
+      outs = [evaluate(params, x[j:j + 64]) for j in range(n_train, len(x), 64)]
+      v = np.concatenate([np.asarray(o[0]) for o in outs])  # [M - n_train] logits
       record = {'probe': name, 'keep': 1.0, 'step': s, 'samples': 8 * s,
                 'held_out_acc': float(np.mean((v > 0) == held)), 'chance': chance,
                 'held_out_auc': common.roc_auc(v, held), 'logit_mean': float(v.mean()),
                 'logit_std': float(v.std())}
-      if read_hidden is not None:
-        h = np.concatenate([np.asarray(read_hidden(params, x[j:j + 64]))
-                            for j in range(n_train, len(x), 64)])  # [M - n_train, D]
+      if read is not None:
+        h = np.concatenate([np.asarray(o[1]) for o in outs])  # [M - n_train, D]
         record['read_mean_norm'] = float(np.linalg.norm(h.mean(0)))
         record['read_clip_std'] = float(np.sqrt(np.sum(h.var(0))))
       yield record
@@ -349,12 +348,13 @@ def probe_change(config, clean, change, n_train: int, steps: int, every: int, lr
       return token_scores(p, x)[0].max(-1)  # [B]
     return forward(p, x)[f'{head}_logit']  # [B]
 
-  def read(p, x):  # the hidden state the head reads: [B, D]
+  def read(p, x):  # logits [B] and the hidden state the head reads [B, D], from one forward
     if head == 'max':
       scores, h = token_scores(p, x)
-      return jnp.take_along_axis(h, scores.argmax(-1)[:, None, None], axis=1)[:, 0]
+      return scores.max(-1), jnp.take_along_axis(h, scores.argmax(-1)[:, None, None], axis=1)[:, 0]
+    out = forward(p, x)
     row = 0 if head == 'rel' else model.text_len + 2  # [REL] | [VID] (after the text and [ST1])
-    return forward(p, x)['hidden'][:, row]
+    return out[f'{head}_logit'], out['hidden'][:, row]
 
   yield from _fit_binary(f'change_encoder_{head}', apply_encoder, params, clean, change, n_train,
                          steps, every, lr, warmup=100, read=read)

@@ -89,7 +89,8 @@ def test_encoder_probe_reads_the_state_its_head_scores(head, monkeypatch):
   if head == 'max':  # a non-zero readout, so the tokens' scores differ
     params['max_readout']['w'] = jax.random.normal(jax.random.key(1), (m.width,))
   logits = np.asarray(apply(params, clean))
-  state = np.asarray(kwargs['read'](params, clean))
+  read_logits, state = (np.asarray(v) for v in kwargs['read'](params, clean))
+  np.testing.assert_allclose(read_logits, logits, rtol=1e-5, atol=1e-5)
   assert state.shape == (8, m.width)
   if head == 'max':
     scored = state @ np.asarray(params['max_readout']['w']) + float(params['max_readout']['b'])
