@@ -38,9 +38,12 @@ distractor, from the frames alone, when told the answer directly? Label 1 = chan
             `--head max` reads the frame tokens instead of a control token: a linear score of
             each LayerNormed last-layer frame token, the clip's logit its max over the tokens,
             so a change that one token detects is not averaged away.
+            `--frame-difference none|before` overrides the run's encoder input switch
+            (docs/fidelity.md), e.g. to measure what it buys on the same clips.
 `--toy` replaces the run's clips by hand-made ones of the run's shapes (`toy_change_clips`):
 random features, the after frame a noisy copy of the before frame, and in change clips one
-token of the after frame moved by 3 standard deviations; frames 2 to T-1 are independent noise.
+token of the after frame moved by 3 standard deviations in every channel, up or down at random
+(a change the encoder's per-token LayerNorm keeps); frames 2 to T-1 are independent noise.
 No tokenizer is read. It asks whether the encoder can learn a before/after comparison at the
 same position at all, where the difference MLP needs a hundred steps.
 Its records add `chance`, the held-out share of the larger class (about 0.5), and three
@@ -104,7 +107,9 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
 def toy_change_clips(m: int, grid: tuple[int, int], channels: int, seed: int = 0):
   """`--toy` clips: (features [m, 4, h, w, C] float32, change [m] bool). Every frame is
   N(0, 1) noise except the after frame, the before frame plus N(0, 0.05^2) (a nuisance); in
-  change clips (about half) one random token of the after frame gains 3.0 in every channel."""
+  change clips (about half) one random token of the after frame moves by 3.0 in every channel,
+  up or down at random per channel. (The same shift in every channel would be invisible to the
+  encoder: its frame embedding starts with a per-token LayerNorm, which removes it.)"""
   rng = np.random.default_rng(seed)
   h, w = grid
   clean = rng.normal(size=(m, 4, h, w, channels)).astype(np.float32)
@@ -112,7 +117,7 @@ def toy_change_clips(m: int, grid: tuple[int, int], channels: int, seed: int = 0
   change = rng.random(m) < 0.5
   for i in np.flatnonzero(change):
     y, x = rng.integers(h), rng.integers(w)
-    clean[i, -1, y, x] += 3.0
+    clean[i, -1, y, x] += 3.0 * rng.choice([-1.0, 1.0], size=channels)
   return clean, change
 
 
@@ -378,6 +383,9 @@ def main():
   parser.add_argument('--toy', action='store_true',
                       help='--task change: hand-made clips of the run\'s shapes instead of its '
                            'data (see the module docstring); reads no tokenizer')
+  parser.add_argument('--frame-difference', default='run', choices=('run', 'none', 'before'),
+                      help="the encoder probes' config.pretrain.model.frame_difference: the run's "
+                           '(default) or the one given')
   parser.add_argument('--detector-batch', type=int, default=64,
                       help='batch of the align detector probes')
   args = parser.parse_args()
@@ -389,6 +397,11 @@ def main():
   pipeline.resolve_vocab_sizes(config, args.workdir)
   if args.toy and args.task != 'change':
     raise SystemExit('error: --toy applies to --task change only')
+  if args.frame_difference != 'run':
+    if args.init == 'stage1':
+      raise SystemExit("error: --init stage1 uses the run's own encoder; drop --frame-difference")
+    with config.unlocked():
+      config.pretrain.model.frame_difference = args.frame_difference
   init = None
   try:
     if args.task == 'change' and args.init == 'stage1':  # before minutes of encoding
