@@ -50,6 +50,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # 6.2 GiB of compiled memory (docs/performance.md).
   p.scan_blocks, p.attention_chunk = True, 128
   p.embedding_std = 1.0                          # the original's N(0, 1) tables (4.1)
+  p.frame_difference = 'none'                    # the original's frame tokens (fidelity.md)
   config.pretrain.binary_inputs = 'masked'       # the original's binary-head inputs (4.4)
   pt = config.pretrain.train
   pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'

@@ -103,6 +103,10 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       # drown the frame content and a caption never binds to frames in a CPU budget (a toy task
       # with one coloured token per frame stays at chance; docs/fidelity.md). 0.02 = BERT/ViT.
       embedding_std=1.0 if preset == 'tiny' else 0.02,
+      # 'before': frame tokens also embed (feature - before frame's feature) at the same position.
+      # Not the original; without it a from-scratch encoder never learns the before/after
+      # comparison on this CPU budget and match stays at chance (docs/fidelity.md).
+      frame_difference='none' if preset == 'tiny' else 'before',
       remat=False,                     # nn.remat per block; on XLA:CPU it saves no memory
       scan_blocks=False,               # blocks as a checkpointed lax.scan (memory, same values)
       attention_chunk=0,               # >0: attention queries in chunks (memory, same values)

@@ -158,6 +158,10 @@ _SHAPE_KEYS = {
 # Model entries that change neither the parameters nor the values computed (memory only).
 _IGNORED_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blocks',
                            'pretrain.model.attention_chunk'})
+# Entries added to the schema after checkpoints existed whose value for those checkpoints (the
+# behaviour before the entry) differs from a shipped config's, so a checkpoint without them is
+# compared as if it had this value.
+_EARLIER_VALUES = {'pretrain.model.frame_difference': 'none'}
 
 
 def _lookup(d: dict, dotted: str):
@@ -184,6 +188,8 @@ def config_differences(saved: dict, config, stage: str) -> list[str]:
   for key in _SHAPE_KEYS[stage]:
     section = _lookup(saved, key)
     a, b = _flat(key, section), _flat(key, _lookup(current, key))
+    if section is not None:
+      a.update({k: v for k, v in _EARLIER_VALUES.items() if k in b and k not in a})
     # Entries the checkpoint's config lacks were added to the schema after it was saved, with
     # defaults that keep the earlier behaviour, so only the checkpoint's own entries are
     # compared (a section missing altogether still differs).

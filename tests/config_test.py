@@ -85,3 +85,27 @@ def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
   assert len(diffs) == 1 and 'pretrain.model.width' in diffs[0], diffs
   del saved['pretrain']['model']
   assert checkpointing.config_differences(saved, config, 'pretrain')
+
+
+def test_a_checkpoint_from_before_frame_difference_differs_from_a_config_that_turns_it_on():
+  """A checkpoint saved before `pretrain.model.frame_difference` existed was trained without it
+  ('none'), so the synthetic default (which turns it on) must not resume or load it, while the
+  tiny preset (off) still does."""
+  from procap_jax import checkpointing
+  for preset, expected in (('default', 1), ('tiny', 0)):
+    config = synthetic.get_config(preset)
+    saved = config.to_dict()
+    del saved['pretrain']['model']['frame_difference']
+    for stage in ('pretrain', 'caption'):
+      diffs = checkpointing.config_differences(saved, config, stage)
+      assert len(diffs) == expected, diffs
+      assert all('frame_difference' in d for d in diffs)
+
+
+def test_paper_configs_keep_the_original_frame_tokens_and_cpu_smoke_configs_do_not():
+  """The paper-size configs build the original's encoder (no difference input, so original
+  checkpoints load); the CPU smoke presets take the synthetic default's switch."""
+  from configs import clevr_change, image_editing_request, spot_the_diff
+  for module in (clevr_change, spot_the_diff, image_editing_request):
+    assert module.get_config('paper').pretrain.model.frame_difference == 'none'
+    assert module.get_config('cpu').pretrain.model.frame_difference == 'before'

@@ -358,3 +358,78 @@ def test_rel_head_learns_to_match_a_caption_word_to_frame_content():
   differs = word != np.asarray(pretrain.swap_batch(jnp.asarray(word)))
   acc = 0.5 * (np.mean(z[:256] > 0) + np.mean(z[256:][differs] < 0))
   assert acc > 0.8, acc
+
+
+def test_frame_difference_adds_the_same_position_difference_where_both_tokens_are_visible():
+  """`frame_difference='before'` adds Dense(feature - before frame's feature) to every later
+  frame token whose own and whose before-frame token are both visible; the first frame, masked
+  tokens and tokens above a masked before-frame token keep the original's embedding. 'none'
+  creates no parameter (the original's tree)."""
+  text, feats, mask = _inputs()
+  plain = pe.ProcedureEncoder(**KW)
+  model = pe.ProcedureEncoder(**KW, frame_difference='before')
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), text, feats, mask,
+                                    use_rel=True)['params'])
+  plain_params = plain.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  extra = set(params) - set(plain_params)
+  assert extra == {'diff_to_embedding'} and not set(plain_params) - set(params)
+  frames = _method(pe.ProcedureEncoder._frames)
+  without = {k: v for k, v in params.items() if k != 'diff_to_embedding'}
+  base = np.asarray(plain.apply({'params': without}, feats, mask, method=frames))  # [B, T*N, D]
+  tokens = np.asarray(model.apply({'params': params}, feats, mask, method=frames))
+  k, bias = (np.asarray(params['diff_to_embedding'][n]) for n in ('kernel', 'bias'))
+  f, m = np.asarray(feats).reshape(B, 3, N, 7), np.asarray(mask)
+  shown = 0
+  for b in range(B):
+    for t in range(3):
+      for i in range(N):
+        expected = base[b, t * N + i]
+        if t > 0 and not m[b, t, i] and not m[b, 0, i]:
+          expected = expected + (f[b, t, i] - f[b, 0, i]) @ k + bias
+          shown += 1
+        np.testing.assert_allclose(tokens[b, t * N + i], expected, rtol=1e-5, atol=1e-5)
+  assert 0 < shown < B * 2 * N  # the random mask leaves both kinds of token
+  with pytest.raises(ValueError, match='frame_difference'):
+    pe.ProcedureEncoder(**KW, frame_difference='after').init(
+        jax.random.PRNGKey(0), text, feats, mask, use_rel=True)
+
+
+def test_frame_difference_lets_the_encoder_learn_a_same_position_change():
+  """On the before and after frames of bench.probe_consistency's `--toy` clips (one token of the
+  after frame moves in half the clips), a tiny encoder with `frame_difference='before'` learns
+  change vs no change from its [REL] head in 300 steps of batch 16 (held-out accuracy 0.82
+  after 200 steps, measured). Without the switch it stayed at 0.52 in the same setting
+  (measured), as the default-size encoder does on 4-frame toy clips through 8,000 clips
+  (README); a broken difference path would leave it there too."""
+  from bench import probe_consistency  # pylint: disable=import-outside-toplevel
+  t, g, c, steps = 2, 4, 16, 300
+  model = pe.ProcedureEncoder(width=32, depth=2, heads=4, mlp_ratio=2, text_len=3,
+                              text_vocab_size=4, num_frames=t, grid=(g, g), feature_dim=c,
+                              codebook_size=4, embedding_std=0.02, frame_difference='before')
+  clips, change = probe_consistency.toy_change_clips(16 * steps + 256, (g, g), c, seed=1)
+  clips = clips[:, [0, -1]]  # before, after
+  empty, visible = jnp.zeros((16, 3), jnp.int32), jnp.zeros((16, t, g * g), bool)
+
+  def logits(params, feats):
+    return model.apply({'params': params}, empty, feats, visible, use_rel=True)['rel_logit']
+
+  params = nn.meta.unbox(model.init(jax.random.key(0), empty, clips[:16], visible,
+                                    use_rel=True)['params'])
+  tx = optax.adam(optax.linear_schedule(0.0, 1e-3, 50))
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(params, opt, feats, y):
+    grads = jax.grad(lambda p: optax.sigmoid_binary_cross_entropy(logits(p, feats), y).mean())(
+        params)
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  for s in range(steps):
+    i = slice(16 * s, 16 * s + 16)
+    params, opt = step(params, opt, jnp.asarray(clips[i]), jnp.asarray(change[i], jnp.float32))
+  held = slice(16 * steps, 16 * steps + 256)
+  z = np.concatenate([np.asarray(jax.jit(logits)(params, jnp.asarray(clips[held][j:j + 16])))
+                      for j in range(0, 256, 16)])
+  acc = float(np.mean((z > 0) == change[held]))
+  assert acc > 0.8, acc

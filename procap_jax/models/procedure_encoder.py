@@ -40,6 +40,7 @@ REL, ST1, VID = 0, 1, 2
 NUM_SPECIAL = 5                  # REL, ST1, VID and two reserved rows, as the original
 TEXT_SLOTS = ('code', 'padding', 'none')
 STAGE2_MASKS = ('code', 'aligned')
+FRAME_DIFFERENCES = ('none', 'before')
 
 _PAPER_DEPTH = {'clevr_change': 12, 'spot_the_diff': 4, 'image_editing_request': 12}
 
@@ -148,6 +149,12 @@ class ProcedureEncoder(nn.Module):
     attention_chunk: 0 = full attention; C > 0 = attention queries in chunks of C, each
       rematerialised (`layers.chunked_attention`): the same values and parameter tree, with
       only a [B, H, C, S] block of scores alive at a time (docs/performance.md).
+    frame_difference: 'none' (the original) | 'before': every frame token after the first also
+      adds `diff_to_embedding`, a Dense of (its tokenizer feature - the first frame's feature at
+      the same grid position), zero where either token is masked. Not in the original: it hands
+      the encoder the same-position before/after comparison that a from-scratch encoder does not
+      learn in a CPU budget (docs/fidelity.md). No LayerNorm before the Dense, so the size of the
+      difference survives. 'none' creates no parameter, so the original's layout is kept.
     dtype: computation dtype of the matmuls (parameters are float32).
   """
   width: int
@@ -164,6 +171,7 @@ class ProcedureEncoder(nn.Module):
   remat: bool = False
   scan_blocks: bool = False
   attention_chunk: int = 0
+  frame_difference: str = 'none'
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -178,6 +186,12 @@ class ProcedureEncoder(nn.Module):
     self.image_mask = self.param(
         'image_mask', nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)), (d,))
     self.conv_to_embedding = layers.LayerNormDense(d, (None, 'embed'), dtype=self.dtype)
+    if self.frame_difference not in FRAME_DIFFERENCES:
+      raise ValueError(f'frame_difference must be one of {FRAME_DIFFERENCES}, '
+                       f'got {self.frame_difference!r}')
+    if self.frame_difference == 'before':
+      self.diff_to_embedding = layers.dense(d, (None, 'embed'), dtype=self.dtype,
+                                            fan_in=self.feature_dim)
     self.target_pos_emb = AxialPositionEmbedding((self.num_frames,) + tuple(self.grid), d, std)
     block = nn.remat(layers.ResidualAttentionBlock) if self.remat else layers.ResidualAttentionBlock
     self.resblocks = [block(d, self.heads, self.mlp_ratio, self.depth, self.dtype,
@@ -221,6 +235,11 @@ class ProcedureEncoder(nn.Module):
     emb = self.conv_to_embedding(features.astype(jnp.float32)).astype(jnp.float32)  # [B,T,h,w,D]
     masked = frame_mask.reshape(b, t, h, w, 1)  # [B, T, h, w, 1]
     emb = jnp.where(masked, self.image_mask, emb)  # [B, T, h, w, D]
+    if self.frame_difference == 'before' and t > 1:
+      f = features.astype(jnp.float32)
+      diff = self.diff_to_embedding(f[:, 1:] - f[:, :1]).astype(jnp.float32)  # [B, T-1, h, w, D]
+      hidden = masked[:, 1:] | masked[:, :1]  # either token masked: no difference to show
+      emb = emb.at[:, 1:].add(jnp.where(hidden, 0.0, diff))  # [B, T, h, w, D]
     emb = emb + self.target_pos_emb()[None, :t]  # [B, T, h, w, D]
     return emb.reshape(b, t * h * w, self.width)  # [B, T*N, D]
 
