@@ -43,7 +43,8 @@ distractor, from the frames alone, when told the answer directly? Label 1 = chan
 `--toy` replaces the run's clips by hand-made ones of the run's shapes (`toy_change_clips`):
 random features, the after frame a noisy copy of the before frame, and in change clips one
 token of the after frame moved by 3 standard deviations in every channel, up or down at random
-(a change the encoder's per-token LayerNorm keeps); frames 2 to T-1 are independent noise.
+(a change the encoder's per-token LayerNorm keeps); the two middle frames go 1/3 and 2/3 of the
+way from before to after.
 No tokenizer is read. It asks whether the encoder can learn a before/after comparison at the
 same position at all, where the difference MLP needs a hundred steps.
 Its records add `chance`, the held-out share of the larger class (about 0.5), and three
@@ -105,20 +106,23 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
 
 
 def toy_change_clips(m: int, grid: tuple[int, int], channels: int, seed: int = 0):
-  """`--toy` clips: (features [m, 4, h, w, C] float32, change [m] bool). Every frame is
-  N(0, 1) noise except the after frame, the before frame plus N(0, 0.05^2) (a nuisance); in
-  change clips (about half) one random token of the after frame moves by 3.0 in every channel,
-  up or down at random per channel. (The same shift in every channel would be invisible to the
-  encoder: its frame embedding starts with a per-token LayerNorm, which removes it.)"""
+  """`--toy` clips: (features [m, 4, h, w, C] float32, change [m] bool). The before frame is
+  N(0, 1) noise, the after frame the before frame plus N(0, 0.05^2) (a nuisance); in change clips
+  (about half) one random token of the after frame moves by 3.0 in every channel, up or down at
+  random per channel. Frames 1 and 2 are the procedure: the before frame moved 1/3 and 2/3 of the
+  way to the after frame, plus their own N(0, 0.05^2). (The same shift in every channel would be
+  invisible to the encoder: its frame embedding starts with a per-token LayerNorm.)"""
   rng = np.random.default_rng(seed)
   h, w = grid
-  clean = rng.normal(size=(m, 4, h, w, channels)).astype(np.float32)
-  clean[:, -1] = clean[:, 0] + 0.05 * rng.normal(size=(m, h, w, channels))
+  before = rng.normal(size=(m, h, w, channels)).astype(np.float32)
+  after = before + 0.05 * rng.normal(size=(m, h, w, channels))
   change = rng.random(m) < 0.5
   for i in np.flatnonzero(change):
     y, x = rng.integers(h), rng.integers(w)
-    clean[i, -1, y, x] += 3.0 * rng.choice([-1.0, 1.0], size=channels)
-  return clean, change
+    after[i, y, x] += 3.0 * rng.choice([-1.0, 1.0], size=channels)
+  middle = [before + f * (after - before) + 0.05 * rng.normal(size=before.shape)
+            for f in (1 / 3, 2 / 3)]
+  return np.stack([before] + middle + [after], 1).astype(np.float32), change
 
 
 def patch_statistics(keyframes: np.ndarray, grid: tuple[int, int]) -> np.ndarray:

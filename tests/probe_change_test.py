@@ -112,8 +112,12 @@ def test_toy_clips_move_one_token_of_the_after_frame_in_change_clips_only():
   moved = np.abs(clean[:, -1] - clean[:, 0]).max(-1) > 1.0  # [M, h, w]: tokens that moved
   assert np.array_equal(moved.sum((1, 2)), change.astype(int))
   assert np.allclose(np.abs(clean[:, -1] - clean[:, 0])[moved], 3.0, atol=0.5)
+  # the middle frames are the procedure: 1/3 and 2/3 of the way from before to after
+  for t, f in ((1, 1 / 3), (2, 2 / 3)):
+    np.testing.assert_allclose(clean[:, t] - clean[:, 0], f * (clean[:, -1] - clean[:, 0]),
+                               atol=0.4)
   # the change survives a per-token LayerNorm (the encoder's first operation on a feature)
   norm = lambda v: (v - v.mean(-1, keepdims=True)) / v.std(-1, keepdims=True)
   normed = np.abs(norm(clean[:, -1]) - norm(clean[:, 0])).max(-1)  # [M, h, w]
-  assert normed[moved].min() > 3 * np.percentile(normed[~moved], 99)
+  assert normed[moved].min() > np.percentile(normed[~moved], 99)
   assert np.median(normed[moved]) > 10 * np.median(normed[~moved])
