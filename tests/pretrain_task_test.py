@@ -334,3 +334,30 @@ def test_sharded_loss_equals_single_device(setup):
   single = loss(jax.device_put(params, jax.devices()[0]), batch)
   sharded = loss(params, sharding.shard_batch(batch, mesh))
   np.testing.assert_allclose(single, sharded, rtol=1e-5)
+
+
+def test_frame_difference_keeps_fused_forwards_and_sharding_exact():
+  """With `frame_difference='before'` (the synthetic default's switch) the fused batch-3B forward
+  gives the unfused losses, and the loss on a (4, 2) mesh equals the single-device one: the
+  difference is taken within each sample and its Dense is sharded by the same rules."""
+  config = _config()
+  config.pretrain.model.frame_difference = 'before'
+  model = TASK.build_model(config)
+  constants = {'tokenizer': _tokenizer_params()}
+  batch = _batch(np.random.default_rng(7), 8)
+  key, rng = jax.random.PRNGKey(4), jax.random.PRNGKey(6)
+  init = lambda k: TASK.init_params(model, config, k, batch)
+  mesh = sharding.make_mesh(4, 2)
+  shardings = sharding.logical_shardings(jax.eval_shape(init, key), mesh, config.sharding.rules)
+  params = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=shardings)(key)
+  assert 'diff_to_embedding' in params
+  losses = []
+  for fused in (True, False):
+    cfg = _config(fused_forwards=fused)
+    cfg.pretrain.model.frame_difference = 'before'
+    loss = jax.jit(lambda p, b, c=cfg: TASK.loss_fn(p, {}, constants, b, rng, c, model)[0])
+    losses.append(loss(jax.device_put(params, jax.devices()[0]), batch))
+    if fused:
+      np.testing.assert_allclose(loss(params, sharding.shard_batch(batch, mesh)), losses[0],
+                                 rtol=1e-5)
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
