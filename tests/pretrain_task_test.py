@@ -320,14 +320,20 @@ def test_loss_with_the_real_vqgan():
                           'match_rank_acc', 'csy_rank_acc'}
 
 
-def test_sharded_loss_equals_single_device(setup):
-  config, model, _, constants = setup
-  batch = _batch(np.random.default_rng(7), 8)
-  key, rng = jax.random.PRNGKey(4), jax.random.PRNGKey(6)
+def _params_on_a_4x2_mesh(config, model, batch):
+  """(parameters initialised sharded by the config's rules over a (4, 2) mesh, the mesh)."""
+  key = jax.random.PRNGKey(4)
   init = lambda k: TASK.init_params(model, config, k, batch)
   mesh = sharding.make_mesh(4, 2)
   shardings = sharding.logical_shardings(jax.eval_shape(init, key), mesh, config.sharding.rules)
-  params = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=shardings)(key)
+  return jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=shardings)(key), mesh
+
+
+def test_sharded_loss_equals_single_device(setup):
+  config, model, _, constants = setup
+  batch = _batch(np.random.default_rng(7), 8)
+  rng = jax.random.PRNGKey(6)
+  params, mesh = _params_on_a_4x2_mesh(config, model, batch)
   assert any(len(p.sharding.device_set) == 8 and not p.sharding.is_fully_replicated
              for p in jax.tree.leaves(params))
   loss = jax.jit(lambda p, b: TASK.loss_fn(p, {}, constants, b, rng, config, model)[0])
@@ -345,11 +351,8 @@ def test_frame_difference_keeps_fused_forwards_and_sharding_exact():
   model = TASK.build_model(config)
   constants = {'tokenizer': _tokenizer_params()}
   batch = _batch(np.random.default_rng(7), 8)
-  key, rng = jax.random.PRNGKey(4), jax.random.PRNGKey(6)
-  init = lambda k: TASK.init_params(model, config, k, batch)
-  mesh = sharding.make_mesh(4, 2)
-  shardings = sharding.logical_shardings(jax.eval_shape(init, key), mesh, config.sharding.rules)
-  params = jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=shardings)(key)
+  rng = jax.random.PRNGKey(6)
+  params, mesh = _params_on_a_4x2_mesh(config, model, batch)
   assert 'diff_to_embedding' in params
   losses = []
   for fused in (True, False):
