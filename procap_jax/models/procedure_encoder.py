@@ -232,11 +232,11 @@ class ProcedureEncoder(nn.Module):
     if (h, w, c) != expected or t > self.num_frames:
       raise ValueError(f'frame_features have shape {features.shape[1:]}, expected '
                        f'({self.num_frames} or fewer frames,) + {expected}')
-    emb = self.conv_to_embedding(features.astype(jnp.float32)).astype(jnp.float32)  # [B,T,h,w,D]
+    f = features.astype(jnp.float32)  # [B, T, h, w, C]
+    emb = self.conv_to_embedding(f).astype(jnp.float32)  # [B, T, h, w, D]
     masked = frame_mask.reshape(b, t, h, w, 1)  # [B, T, h, w, 1]
     emb = jnp.where(masked, self.image_mask, emb)  # [B, T, h, w, D]
     if self.frame_difference == 'before' and t > 1:
-      f = features.astype(jnp.float32)
       diff = self.diff_to_embedding(f[:, 1:] - f[:, :1]).astype(jnp.float32)  # [B, T-1, h, w, D]
       hidden = masked[:, 1:] | masked[:, :1]  # either token masked: no difference to show
       emb = emb.at[:, 1:].add(jnp.where(hidden, 0.0, diff))  # [B, T, h, w, D]
