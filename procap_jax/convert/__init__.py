@@ -1,0 +1,10 @@
+"""Weights from the original world: torch-free file reading and converters.
+
+  torch_files   reads `torch.save` archives (.pt/.pth/.ckpt) and TorchScript archives into numpy
+                without torch, executing no pickle global outside a short allow-list.
+  common        the shared checks every converter uses (one-sentence errors naming the key).
+  clip          OpenAI CLIP ViT visual blocks -> the stage-1 encoder's resblocks.
+  taming        a taming `VQModel` checkpoint -> the VQGAN tokenizer.
+  procap        released ProCap stage-1 / stage-2 checkpoints -> our stage checkpoints.
+  __main__      `python -m procap_jax.convert {clip,taming,procap} ...`.
+"""
