@@ -62,6 +62,9 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
       feature_input_scale='unit',      # 'unit': features see [0,1] images (original quirk)
       token_input_scale='signed',      # 'signed': codes see [-1,1] images (original)
   ))
+  # A taming VQModel checkpoint (.ckpt) to start from instead of a random init (README "Start
+  # from the original's weights"); with train.steps=0 the stage keeps it as it is.
+  t.init_from = ''
   t.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 800}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
@@ -124,6 +127,9 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       scale_range=(0.9, 1.1),
       color_shift=0.5,
   ))
+  # Weights to start from: OpenAI CLIP ViT (ViT-B-32.pt) -> the first `depth` blocks, the rest
+  # keeps its init; or a released ProCap stage-1 checkpoint -> the whole encoder. '' = random.
+  p.init_from = ''
   p.loss_weights = ml_collections.ConfigDict(dict(msm=7.0, align=0.5, csy=0.5))
   p.csy_normalisation = 'code'         # 'code': fully masked samples in the numerator only; 'mean'
   p.fused_forwards = True              # the 3 stage-1 forwards as one batch-3B call (same losses)
@@ -169,6 +175,7 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       vocab_size=0,                    # 0 -> taken from the caption vocabulary at build time
   ))
   c.init_from_pretrain = True          # restore the encoder from the stage-1 checkpoint
+  c.init_from = ''                     # a released ProCap stage-2 checkpoint (whole captioner)
   c.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 200, 'default': 700}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],

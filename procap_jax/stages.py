@@ -121,7 +121,8 @@ def _inputs_of(config, stage: str) -> tuple[str, ...]:
   if stage == 'pretrain':
     return ('tokenizer',)
   if stage == 'caption':
-    return ('tokenizer', 'pretrain') if config.caption.init_from_pretrain else ('tokenizer',)
+    from_stage1 = config.caption.init_from_pretrain and not config.caption.init_from
+    return ('tokenizer', 'pretrain') if from_stage1 else ('tokenizer',)
   return ()
 
 

@@ -308,6 +308,10 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   pending = []
   val_metrics = {}
   step = start
+  if total == 0 and start == 0:
+    # A stage of 0 steps keeps its initialisation (e.g. converted weights from `init_from`):
+    # validated and saved as its best checkpoint, so the later stages start from it.
+    val_metrics = evaluate(0)
   for step in range(start + 1, end + 1):
     batch = sharding.shard_batch(next(train_iter), mesh)
     state, metrics = step_fn(state, batch, constants, rng)

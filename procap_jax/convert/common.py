@@ -113,3 +113,30 @@ def unused_keys(state: Mapping[str, np.ndarray], used: Iterable[str],
 def as_jax(tree: Any) -> Any:
   """Nested dict of numpy arrays -> the same of jax arrays."""
   return jax.tree.map(jax.numpy.asarray, tree)
+
+
+def merge_into(params: Any, converted: Mapping[str, Any], *, what: str = 'the model') -> Any:
+  """`params` with every leaf that `converted` has replaced by it (boxed leaves stay boxed).
+
+  Args:
+    params: the freshly initialised parameter tree (leaves may be flax `AxisMetadata` boxes).
+    converted: nested dict with a subset of `params`' paths (e.g. only the CLIP blocks).
+    what: how the target is named in errors.
+
+  Raises:
+    ConversionError: a converted path that `params` does not have, or another shape.
+  """
+  ours = flax.traverse_util.flatten_dict(dict(params))
+  for path, value in flax.traverse_util.flatten_dict(dict(converted)).items():
+    name = '/'.join(path)
+    if path not in ours:
+      raise ConversionError(f'the converted weights have {name!r}, which {what} does not have; '
+                            'the file is for another model or config')
+    leaf = ours[path]
+    target = nn.meta.unbox(leaf)
+    if tuple(np.shape(value)) != tuple(target.shape):
+      raise ConversionError(f'converted {name!r} has shape {tuple(np.shape(value))}, {what} '
+                            f'expects {tuple(target.shape)}; the file is for another model size')
+    value = jax.numpy.asarray(value, target.dtype)
+    ours[path] = leaf.replace_boxed(value) if isinstance(leaf, nn.meta.AxisMetadata) else value
+  return flax.traverse_util.unflatten_dict(ours)

@@ -32,6 +32,7 @@ from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax import evaluation
 from procap_jax import train
+from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
@@ -107,7 +108,11 @@ def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDic
 
 
 def restore_init(params: Any, config: ml_collections.ConfigDict, workdir: str) -> Any:
-  """The trainer's hook after a fresh init: the stage-1 encoder when `init_from_pretrain`."""
+  """The trainer's hook after a fresh init: the whole captioner from `caption.init_from` (a
+  released ProCap stage-2 checkpoint) when set, else the stage-1 encoder when
+  `init_from_pretrain`."""
+  if config.caption.init_from:
+    return convert_init.restore('caption', params, config)
   if not config.caption.init_from_pretrain:
     return params
   return restore_pretrained_encoder(params, workdir)

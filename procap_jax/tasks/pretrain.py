@@ -33,6 +33,7 @@ import optax
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax import train
+from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
 from procap_jax.models import procedure_encoder
 from procap_jax.models import vqgan
@@ -361,7 +362,9 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
 
   return train.Task(name='pretrain', build_model=build_model, init_params=init_params,
                     loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
-                    load_constants=load_constants)
+                    load_constants=load_constants,
+                    restore_init=lambda params, config, workdir: convert_init.restore(
+                        'pretrain', params, config))
 
 
 TASK = make_task()

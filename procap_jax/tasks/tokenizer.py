@@ -56,6 +56,7 @@ from PIL import Image
 
 from procap_jax import errors
 from procap_jax import train
+from procap_jax.convert import init as convert_init
 from procap_jax.models import vqgan
 
 PSNR_MSE_FLOOR = 1e-10  # a perfect reconstruction scores 10 * log10(1 / 1e-10) = 100 dB
@@ -355,4 +356,5 @@ TASK = train.Task(
     loss_fn=loss_fn,
     make_optimizer=make_optimizer,
     evaluate=evaluate,
+    restore_init=lambda params, config, workdir: convert_init.restore('tokenizer', params, config),
 )

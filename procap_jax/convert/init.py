@@ -1,0 +1,89 @@
+"""Starting a stage from the original's weights (`config.<stage>.init_from`).
+
+  tokenizer.init_from   a taming `VQModel` checkpoint -> the whole VQGAN (a discriminator, when
+                        the config trains one, keeps its random init).
+  pretrain.init_from    OpenAI CLIP (the TorchScript `ViT-B-32.pt`, or any file holding
+                        `visual.transformer.resblocks.*`) -> the encoder's first `depth` blocks,
+                        as the original initialises stage 1; the other encoder parameters keep
+                        their init. Or a released ProCap stage-1 checkpoint (`{'weights': ...}`
+                        of train_stage1.py) -> the whole encoder.
+  caption.init_from     a released ProCap stage-2 checkpoint (`{'model': ...}` of train_stage2.py)
+                        -> the whole captioner; it replaces `init_from_pretrain`.
+
+The trainer calls `restore(stage, params, config)` once after a fresh init (never on resume), so a
+run started this way checkpoints and resumes like any other. Every mismatch is one sentence
+naming the first bad key and both shapes, raised before training starts.
+"""
+
+import os
+from typing import Any
+
+import ml_collections
+
+from procap_jax.convert import common
+from procap_jax.convert import torch_files
+
+CLIP_MARK = 'visual.transformer.resblocks.0.attn.in_proj_weight'
+PROCAP_STAGE1_MARK = 'text_emb.weight'
+
+
+def read(path: str, what: str) -> dict:
+  """The flat state dict of `path`, with one sentence when the file is missing."""
+  if not os.path.isfile(path):
+    raise common.ConversionError(f'{what} {path} does not exist; download it by hand (README, '
+                                 '"Start from the original\'s weights") and give its path')
+  return torch_files.state_dict(path)
+
+
+def pretrain_source(state: dict) -> str:
+  """'clip' | 'procap_stage1': what a file given as `pretrain.init_from` holds."""
+  if CLIP_MARK in state:
+    return 'clip'
+  if PROCAP_STAGE1_MARK in state:
+    return 'procap_stage1'
+  raise common.ConversionError(
+      f'the file has neither {CLIP_MARK!r} (OpenAI CLIP) nor {PROCAP_STAGE1_MARK!r} (a ProCap '
+      'stage-1 checkpoint), so it cannot start the stage-1 encoder')
+
+
+def converted(stage: str, config: ml_collections.ConfigDict, path: str) -> dict:
+  """The converted parameters (nested numpy) that `path` gives `stage`'s model: the whole tree,
+  or for CLIP only the encoder's blocks."""
+  from procap_jax.convert import clip
+  from procap_jax.convert import procap_stage1
+  from procap_jax.convert import procap_stage2
+  from procap_jax.convert import taming
+  if stage == 'tokenizer':
+    state = read(path, 'the taming VQGAN checkpoint')
+    return taming.convert(state, config.tokenizer.model.to_dict())
+  if stage == 'pretrain':
+    state = read(path, 'the stage-1 init file')
+    kwargs = _encoder_kwargs(config)
+    if pretrain_source(state) == 'clip':
+      return clip.encoder_blocks(state, kwargs,
+                                 fp16_round_trip=config.pretrain.clip_fp16_round_trip)
+    return procap_stage1.encoder_params(state, kwargs)
+  if stage == 'caption':
+    state = read(path, 'the ProCap stage-2 checkpoint')
+    return procap_stage2.captioner_params(state, config)
+  raise ValueError(f'unknown stage {stage!r}')
+
+
+def _encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
+  kwargs = config.pretrain.model.to_dict()
+  kwargs['grid'] = tuple(kwargs['grid'])
+  return kwargs
+
+
+def restore(stage: str, params: Any, config: ml_collections.ConfigDict) -> Any:
+  """`params` (a fresh init, boxed or not) with `config.<stage>.init_from`'s weights in place;
+  unchanged when init_from is ''."""
+  path = config[stage].init_from
+  if not path:
+    return params
+  new = converted(stage, config, path)
+  what = {'tokenizer': 'the tokenizer', 'pretrain': 'the stage-1 encoder',
+          'caption': 'the captioner'}[stage]
+  merged = common.merge_into(params, new, what=what)
+  print(f'[{stage}] initialised from {path}', flush=True)
+  return merged
