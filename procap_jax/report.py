@@ -49,8 +49,35 @@ def read_metrics(workdir: str, stage: str) -> list[dict]:
   return out
 
 
+_SKIPPED = ('step', 'split', 'eval_seconds', 'steps_per_s', 'finite')
+_COLUMNS = 4
+
+
+def _panel(ax, records: list[dict], key: str, title: str, log: bool) -> None:
+  """One metric against the step; a single point is drawn large and labelled with its value."""
+  steps = [r['step'] for r in records if isinstance(r.get(key), (int, float))]
+  values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+  ax.plot(steps, values, 'o-' if len(values) < 30 else '-', markersize=3 if len(values) > 1 else 7)
+  if len(values) == 1:
+    ax.annotate(f'{values[0]:.4g}', (steps[0], values[0]), textcoords='offset points',
+                xytext=(6, 6), fontsize=8)
+  ax.set_title(title, fontsize=9)
+  ax.set_xlabel('step', fontsize=8)
+  ax.tick_params(labelsize=7)
+  if log and values and min(values) > 0:
+    ax.set_yscale('log')
+
+
+def curve_panels(train: list[dict], val: list[dict]) -> list[tuple[str, str]]:
+  """(split, metric) of each panel: every training loss, then every validation metric."""
+  losses = [k for k in train[-1] if k.startswith('loss') or k.endswith('_loss')][:8]
+  metrics = [k for k in (val[-1] if val else {}) if k not in _SKIPPED and '/' not in k][:12]
+  return [('train', k) for k in losses] + [('val', k) for k in metrics]
+
+
 def plot_curves(workdir: str, stages) -> dict[str, str]:
-  """One PNG per stage (train losses and validation metrics); returns stage -> PNG path."""
+  """One PNG per stage: one panel per training loss, then one per validation metric (each on
+  its own axis); returns stage -> PNG path."""
   paths = {}
   os.makedirs(os.path.join(workdir, 'report'), exist_ok=True)
   for stage in stages:
@@ -59,23 +86,17 @@ def plot_curves(workdir: str, stages) -> dict[str, str]:
     val = [r for r in records if r.get('split') == 'val']
     if not train:
       continue
-    keys = [k for k in train[-1] if k.startswith('loss') or k.endswith('_loss') or
-            k in ('msm', 'align', 'csy', 'l1')][:6]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
-    for k in keys:
-      axes[0].plot([r['step'] for r in train if k in r], [r[k] for r in train if k in r], label=k)
-    axes[0].set_title(f'{stage}: training losses')
-    axes[0].set_xlabel('step')
-    axes[0].set_yscale('log')
-    axes[0].legend(fontsize=7)
-    vkeys = [k for k in (val[-1] if val else {}) if k not in ('step', 'split', 'eval_seconds')
-             and '/' not in k][:6]
-    for k in vkeys:
-      axes[1].plot([r['step'] for r in val if k in r], [r[k] for r in val if k in r], 'o-', label=k)
-    axes[1].set_title(f'{stage}: validation')
-    axes[1].set_xlabel('step')
-    if vkeys:
-      axes[1].legend(fontsize=7)
+    by_split = {'train': train, 'val': val}
+    panels = [(by_split[split], k, f'{split} {k}', split == 'train')
+              for split, k in curve_panels(train, val)]
+    rows = -(-len(panels) // _COLUMNS)
+    fig, axes = plt.subplots(rows, _COLUMNS, figsize=(3.2 * _COLUMNS, 2.4 * rows), squeeze=False)
+    for ax, (records_k, key, title, log) in zip(axes.flat, panels):
+      _panel(ax, records_k, key, title, log)
+    for ax in list(axes.flat)[len(panels):]:
+      ax.axis('off')
+    fig.suptitle(stage, fontsize=11)
+    fig.tight_layout()
     path = os.path.join(workdir, 'report', f'curves_{stage}.png')
     with errors.atomic_path(path, '.png') as tmp:
       fig.savefig(tmp, format='png', dpi=90, bbox_inches='tight')

@@ -201,10 +201,6 @@ class MetricsLog:
       self._f.close()
 
 
-def _floats(metrics: dict) -> dict:
-  return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-
 def _better(new: float, old: float | None, mode: str) -> bool:
   if old is None or not math.isfinite(old):
     return math.isfinite(new)
