@@ -10,6 +10,9 @@ tfds_builders/image_editing_request/README.md):
 
 Paper size (spec table 9): 224 px, VQGAN f16 1024x256, encoder 12 x 768, decoder 2 x 512,
 vocab 524, k = 2.
+Stage-1 text is CLIP BPE as in the original: add --config.data.bpe_merges_file=<CLIP's
+bpe_simple_vocab_16e6.txt[.gz]> (openai/CLIP, or the ProCap source), or have open_clip_torch
+installed (it ships the file).
 Hardware: one 8-GPU/TPU host; the CPU variant runs anywhere.
 Paper's result: CIDEr 40.6 on the test split (checkpoint chosen on test; ours on val).
 Set --config.caption.train.steps to 40 epochs of your train split (3,061 pairs / 32 x 40 = 3,840).

@@ -35,6 +35,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # Paper size (spec section 9): 224 px, VQGAN f16 with 1024 codes of 256, encoder 768 wide.
   d.builder_config = 'paper'
   d.image_size = 224
+  d.encoder_text = 'clip_bpe'                    # the original's stage-1 text (spec 1.6)
   t = config.tokenizer.model
   t.ch, t.ch_mult, t.num_res_blocks, t.attn_resolutions = 128, (1, 1, 2, 2, 4), 2, (16,)
   t.resolution, t.z_channels, t.embed_dim, t.n_embed = 224, 256, 256, 1024
@@ -43,7 +44,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   config.tokenizer.train.lr = 4.5e-6 * 16      # taming's base lr x batch
   p = config.pretrain.model
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
-  p.text_vocab_size = 49408                      # CLIP BPE table rows, for checkpoint conversion
+  p.text_vocab_size = 49408                      # CLIP BPE's ids (data.encoder_text)
   p.grid, p.feature_dim, p.codebook_size, p.num_frames = (14, 14), 256, 1024, 4
   # Memory only (same values): the 12 blocks as a checkpointed scan and attention in query
   # chunks take stage 1 at batch 8 from 28.8 to 4.9 GiB and stage 2 at batch 32 from 39.2 to

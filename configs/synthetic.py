@@ -41,6 +41,12 @@ def _data(preset: str) -> ml_collections.ConfigDict:
   d.max_caption_len = 24
   d.min_word_count = 3                 # words kept when count > this (reproduces Spot/IER files)
   d.word2idx_file = ''                 # '' -> build from train captions
+  # Stage-1 encoder text (batch key encoder_text): 'words' = caption vocabulary ids (no [BOS] /
+  # [EOS]); 'clip_bpe' = the original's CLIP BPE ids (spec 1.6; pretrain text_vocab_size 49408).
+  d.encoder_text = 'words'
+  # 'clip_bpe' only: CLIP's bpe_simple_vocab_16e6.txt[.gz]; '' -> the copy shipped by an installed
+  # open_clip_torch or clip package. Read only when captions are tokenised.
+  d.bpe_merges_file = ''
   d.num_workers = 0                    # grain worker processes (0 = in-process)
   return d
 

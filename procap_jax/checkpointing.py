@@ -151,7 +151,8 @@ def latest_meta(ckpts: StageCheckpoints) -> dict | None:
 # Config entries that change the shapes or meaning of a stage's parameters.
 _SHAPE_KEYS = {
     'tokenizer': ('tokenizer.model', 'data.image_size'),
-    'pretrain': ('pretrain.model', 'tokenizer.model', 'data.image_size', 'data.num_keyframes'),
+    'pretrain': ('pretrain.model', 'tokenizer.model', 'data.image_size', 'data.num_keyframes',
+                 'data.encoder_text'),
     'caption': ('caption.model', 'pretrain.model', 'tokenizer.model', 'data.image_size',
                 'data.num_keyframes', 'data.name'),
 }
@@ -161,7 +162,7 @@ _IGNORED_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blocks',
 # Entries added to the schema after checkpoints existed whose value for those checkpoints (the
 # behaviour before the entry) differs from a shipped config's, so a checkpoint without them is
 # compared as if it had this value.
-_EARLIER_VALUES = {'pretrain.model.frame_difference': 'none'}
+_EARLIER_VALUES = {'pretrain.model.frame_difference': 'none', 'data.encoder_text': 'words'}
 
 
 def _lookup(d: dict, dotted: str):
@@ -187,6 +188,8 @@ def config_differences(saved: dict, config, stage: str) -> list[str]:
   diffs = []
   for key in _SHAPE_KEYS[stage]:
     section = _lookup(saved, key)
+    if section is None and key in _EARLIER_VALUES:  # a single entry the checkpoint predates
+      section = _EARLIER_VALUES[key]
     a, b = _flat(key, section), _flat(key, _lookup(current, key))
     if section is not None:
       a.update({k: v for k, v in _EARLIER_VALUES.items() if k in b and k not in a})

@@ -13,6 +13,7 @@ import ml_collections
 from procap_jax import errors
 
 _CHOICES = {
+    'data.encoder_text': ('words', 'clip_bpe'),
     'data.frame_source': ('frames', 'oracle', 'crossfade'),
     'data.sampler': ('confidence', 'uniform', 'topk'),
     'data.scores_feature': ('stats', 'tokenizer'),
@@ -30,6 +31,12 @@ _CHOICES = {
     'compute_dtype': ('float32', 'bfloat16'),
 }
 STAGES = ('tokenizer', 'pretrain', 'caption')
+# Ids of CLIP's BPE (`procap_jax.data.bpe.VOCAB_SIZE`, not imported here: it loads numpy).
+CLIP_BPE_VOCAB_SIZE = 49408
+# Data entries whose value changes what a trained model reads; `check_workdir` compares them.
+# `encoder_text` was added later: a saved config without it was trained on 'words'.
+_WORKDIR_DATA_KEYS = {'name': None, 'builder_config': None, 'image_size': None,
+                      'num_keyframes': None, 'frame_source': None, 'encoder_text': 'words'}
 
 
 def _get(config, dotted: str):
@@ -49,6 +56,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if stage not in STAGES:
       raise errors.UserError(f'config.stages has unknown stage {stage!r}; stages are '
                              f'{", ".join(STAGES)}')
+  check_encoder_text(config)
   t, p, d = config.tokenizer.model, config.pretrain.model, config.data
   down = 2 ** (len(t.ch_mult) - 1)
   if d.image_size % down:
@@ -81,6 +89,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
                            f'between 0 (no decay) and the {pt.steps} training steps')
 
 
+def check_encoder_text(config: ml_collections.ConfigDict) -> None:
+  """With `data.encoder_text='clip_bpe'` the encoder text table must be CLIP's (0 = fill it)."""
+  size = config.pretrain.model.text_vocab_size
+  if config.data.encoder_text == 'clip_bpe' and size not in (0, CLIP_BPE_VOCAB_SIZE):
+    raise errors.UserError(
+        f'config.pretrain.model.text_vocab_size is {size} but config.data.encoder_text '
+        f"'clip_bpe' needs CLIP's {CLIP_BPE_VOCAB_SIZE} ids; set it to {CLIP_BPE_VOCAB_SIZE} "
+        "or 0, or use encoder_text 'words'")
+
+
 def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses a workdir whose saved config has another model/data setup; saves it otherwise."""
   path = os.path.join(workdir, 'config.json')
@@ -94,9 +112,9 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     if saved is not None:
       diffs = []
       for section in ('data', 'tokenizer', 'pretrain', 'caption'):
-        for key in ('model',) if section != 'data' else ('name', 'builder_config', 'image_size',
-                                                         'num_keyframes', 'frame_source'):
-          a = (saved.get(section) or {}).get(key)
+        for key in ('model',) if section != 'data' else _WORKDIR_DATA_KEYS:
+          earlier = _WORKDIR_DATA_KEYS[key] if section == 'data' else None
+          a = (saved.get(section) or {}).get(key, earlier)
           b = current[section][key]
           if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
             diffs.append(f'{section}.{key}')

@@ -1,5 +1,6 @@
 """Config loading and validation: unknown keys and inconsistent values get one sentence."""
 
+import json
 import subprocess
 import sys
 
@@ -27,6 +28,7 @@ def test_unknown_variant_is_rejected():
     ('data.image_size', 48, 'image_size'),
     ('pretrain.train.decay_steps', 21, 'decay_steps'),   # the tiny preset trains 20 steps
     ('pretrain.train.decay_steps', -1, 'decay_steps'),
+    ('data.encoder_text', 'bpe', 'encoder_text'),
 ])
 def test_bad_values(key, value, match):
   config = synthetic.get_config('tiny')
@@ -109,3 +111,49 @@ def test_paper_configs_keep_the_original_frame_tokens_and_cpu_smoke_configs_do_n
   for module in (clevr_change, spot_the_diff, image_editing_request):
     assert module.get_config('paper').pretrain.model.frame_difference == 'none'
     assert module.get_config('cpu').pretrain.model.frame_difference == 'before'
+
+
+def test_stage1_text_is_clip_bpe_in_the_paper_configs_only(monkeypatch):
+  """Paper presets read the original's CLIP BPE ids and still construct and validate when no
+  merges file is on the machine; the synthetic and CPU smoke presets keep caption words."""
+  from configs import clevr_change, image_editing_request, spot_the_diff
+  from procap_jax.data import bpe
+  monkeypatch.setattr(bpe, 'PACKAGES_WITH_MERGES', ('procap_missing_pkg',))
+  assert config_lib.CLIP_BPE_VOCAB_SIZE == bpe.VOCAB_SIZE
+  for module in (clevr_change, spot_the_diff, image_editing_request):
+    paper = module.get_config('paper')
+    config_lib.validate(paper)
+    assert paper.data.encoder_text == 'clip_bpe' and paper.data.bpe_merges_file == ''
+    assert paper.pretrain.model.text_vocab_size == bpe.VOCAB_SIZE
+    assert module.get_config('cpu').data.encoder_text == 'words'
+  assert synthetic.get_config('default').data.encoder_text == 'words'
+
+
+def test_clip_bpe_with_another_text_table_is_rejected():
+  config = synthetic.get_config('tiny')
+  config.data.encoder_text = 'clip_bpe'
+  config_lib.validate(config)  # text_vocab_size 0: filled with 49408 at build time
+  config.pretrain.model.text_vocab_size = 57
+  with pytest.raises(errors.UserError, match='text_vocab_size is 57'):
+    config_lib.validate(config)
+
+
+def test_switching_the_stage1_text_needs_a_new_workdir(tmp_path):
+  """A workdir or stage-1 checkpoint from before data.encoder_text existed was made with words."""
+  from procap_jax import checkpointing
+  old = synthetic.get_config('tiny')
+  config_lib.check_workdir(old, str(tmp_path))
+  path = tmp_path / 'config.json'
+  saved = json.loads(path.read_text())
+  del saved['data']['encoder_text']
+  path.write_text(json.dumps(saved))
+  config_lib.check_workdir(old, str(tmp_path))  # an older workdir: words, as configured
+  bpe_config = synthetic.get_config('tiny')
+  bpe_config.data.encoder_text = 'clip_bpe'
+  with pytest.raises(errors.UserError, match='data.encoder_text'):
+    config_lib.check_workdir(bpe_config, str(tmp_path))
+  saved = old.to_dict()
+  del saved['data']['encoder_text']
+  assert checkpointing.config_differences(saved, old, 'pretrain') == []
+  diffs = checkpointing.config_differences(saved, bpe_config, 'pretrain')
+  assert len(diffs) == 1 and 'data.encoder_text' in diffs[0], diffs

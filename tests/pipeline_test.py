@@ -140,3 +140,41 @@ def test_oracle_and_crossfade_sources(tiny_config, tmp_path):
     tiny_config.data.frame_source = source
     batch = pipeline.make_train_dataset(tiny_config, str(tmp_path), 2, seed=0)[0]
     _check_contract(batch, tiny_config, 2)
+
+
+def test_clip_bpe_encoder_text(tiny_config, tmp_path):
+  """data.encoder_text='clip_bpe': the batch's encoder_text is the caption's CLIP BPE ids (cut to
+  24, 0-padded) and the encoder text table is CLIP's 49408 ids."""
+  import pathlib
+  from procap_jax.data import bpe
+  merges = str(pathlib.Path(__file__).parent / 'parity' / 'fixtures' / 'bpe_merges.txt')
+  tiny_config.data.encoder_text = 'clip_bpe'
+  tiny_config.data.bpe_merges_file = merges
+  pipeline.resolve_vocab_sizes(tiny_config, str(tmp_path))
+  assert tiny_config.pretrain.model.text_vocab_size == bpe.VOCAB_SIZE
+  batch = next(pipeline.make_eval_iterator(tiny_config, 'val', str(tmp_path), 4))
+  _check_contract(batch, tiny_config, 4)
+  info = pipeline.load_split_info(tiny_config, 'val', str(tmp_path))
+  tok = bpe.Bpe.from_file(merges)
+  for row, i in zip(batch['encoder_text'], batch['example_index']):
+    np.testing.assert_array_equal(row, tok.encode_fixed(info[i]['captions'][0]))
+  words = pipeline.load_vocab(tiny_config, str(tmp_path))
+  assert not np.array_equal(batch['encoder_text'][0],
+                            words.encode_encoder_text(info[0]['captions'][0]))
+  train = pipeline.make_train_dataset(tiny_config, str(tmp_path), 4, seed=0)[0]
+  assert train['encoder_text'].shape == (4, 24) and train['encoder_text'].max() > 511
+
+
+def test_clip_bpe_needs_the_clip_table_and_the_merges_file(tiny_config, tmp_path):
+  tiny_config.data.encoder_text = 'clip_bpe'
+  tiny_config.pretrain.model.text_vocab_size = 40
+  with pytest.raises(errors.UserError, match='49408'):
+    pipeline.resolve_vocab_sizes(tiny_config, str(tmp_path))
+  tiny_config.pretrain.model.text_vocab_size = 0
+  tiny_config.data.bpe_merges_file = str(tmp_path / 'missing.txt')
+  with pytest.raises(errors.UserError, match='bpe_merges_file'):
+    pipeline.make_transform(tiny_config, str(tmp_path), train=True)
+  # Inference on user pairs tokenises no caption, so it needs no merges file.
+  img = np.zeros([40, 40, 3], np.uint8)
+  batch = pipeline.examples_from_pairs(tiny_config, None, [img], [img])
+  assert batch['encoder_text'].tolist() == [[0] * 24]

@@ -8,7 +8,8 @@ L = config.data.max_caption_len):
   keyframes       uint8  [B, T, S, S, 3]  sampled keyframes; [:, 0] = before, [:, -1] = after
   keyframe_index  int32  [B, T]           indices into the 9-frame sequence, e.g. [0, a, b, 8]
   caption_in      int32  [B, L]           decoder tokens [BOS] w1..wn [EOS] [PAD]...
-  encoder_text    int32  [B, L]           stage-1 encoder text: word ids, 0 = padding
+  encoder_text    int32  [B, L]           stage-1 encoder text, 0 = padding: caption word ids
+                                          (data.encoder_text 'words') or CLIP BPE ids ('clip_bpe')
   change_type     int32  [B]              none,color,material,add,drop,move,other
   example_index   int32  [B]              index of the record in its split
   valid           bool   [B]              False on padding rows of the last eval batch
@@ -28,7 +29,9 @@ import cv2
 import grain
 import numpy as np
 
+from procap_jax import config_lib
 from procap_jax import errors
+from procap_jax.data import bpe
 from procap_jax.data import datasets
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.procedure import interpolation
@@ -74,8 +77,14 @@ def load_vocab(config, workdir: str) -> vocab_lib.Vocab:
 
 
 def resolve_vocab_sizes(config, workdir: str) -> None:
-  """Fills the vocabulary sizes left at 0 in the config (encoder text table, decoder vocab)
-  from the caption vocabulary, in place. Idempotent."""
+  """Fills the vocabulary sizes left at 0 in the config, in place. Idempotent.
+
+  The encoder text table gets CLIP BPE's 49408 ids with `data.encoder_text='clip_bpe'` (any
+  other non-zero size is a UserError), else the caption vocabulary's size, as the decoder vocab.
+  """
+  config_lib.check_encoder_text(config)
+  if config.data.encoder_text == 'clip_bpe':
+    config.pretrain.model.text_vocab_size = bpe.VOCAB_SIZE
   size = None
   for section in (config.pretrain.model, config.caption.model):
     key = 'text_vocab_size' if 'text_vocab_size' in section else 'vocab_size'
@@ -155,13 +164,15 @@ def resize(img: np.ndarray, size: int) -> np.ndarray:
 class _Transform:
   """Record -> example of the batch contract (without the batch axis)."""
 
-  def __init__(self, config, vocab, scores, train: bool, seed: int):
+  def __init__(self, config, vocab, scores, train: bool, seed: int,
+               bpe_tokenizer: bpe.Bpe | None = None):
     self.size = config.data.image_size
     self.k = config.data.num_keyframes
     self.source = config.data.frame_source
     self.sampler = config.data.sampler
     self.max_len = config.data.max_caption_len
     self.vocab = vocab
+    self.bpe = bpe_tokenizer  # stage-1 text: CLIP BPE ids, or None: the vocabulary's words
     self.scores = scores
     self.train = train
     self.seed = seed
@@ -195,7 +206,8 @@ class _Transform:
     caption = captions[int(rng.integers(len(captions)))] if self.train else captions[0]
     if caption:
       caption_in = self.vocab.encode_decoder(caption, self.max_len)
-      encoder_text = self.vocab.encode_encoder_text(caption, self.max_len)
+      encoder_text = (self.bpe.encode_fixed(caption, self.max_len) if self.bpe is not None
+                      else self.vocab.encode_encoder_text(caption, self.max_len))
     else:  # a pair without any caption (user data at inference time): no text input
       caption_in = np.zeros([self.max_len], np.int32)
       encoder_text = np.zeros([self.max_len], np.int32)
@@ -210,9 +222,14 @@ class _Transform:
 
 
 def make_transform(config, workdir: str, train: bool) -> _Transform:
-  """The record -> example transform of the batch contract for this config's dataset."""
+  """The record -> example transform of the batch contract for this config's dataset.
+
+  With `data.encoder_text='clip_bpe'` it reads the BPE merges file (UserError when missing).
+  """
+  tokenizer = (bpe.load(config.data.bpe_merges_file)
+               if config.data.encoder_text == 'clip_bpe' else None)
   return _Transform(config, load_vocab(config, workdir), load_scores(config, workdir),
-                    train=train, seed=config.seed)
+                    train=train, seed=config.seed, bpe_tokenizer=tokenizer)
 
 
 def _indexed(src):
@@ -309,7 +326,8 @@ def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
 
 
 def examples_from_pairs(config, vocab, befores: list[np.ndarray], afters: list[np.ndarray]) -> dict:
-  """A batch of the contract from raw user pairs (inference: no captions, crossfade frames)."""
+  """A batch of the contract from raw user pairs (inference: no captions, crossfade frames; so
+  no text is tokenised and no BPE merges file is needed)."""
   transform = _Transform(config, vocab, None, train=False, seed=0)
   transform.source = 'crossfade'
   rows = []
