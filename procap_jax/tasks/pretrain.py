@@ -150,6 +150,9 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
                  tokenizer: Tokenizer) -> dict:
   """The stage-1 forwards of a batch (arguments as `batch_statistics`, which sums these).
 
+  Draws the masks and corruptions from `rng`, encodes the clean and corrupted clips with the
+  frozen tokenizer and runs `forward_logits` on them.
+
   Returns:
     dict with frame_logits [B, T*N, K] of the reconstruction forward, codes int32 [B, T*N]
     (its targets), token_mask bool [B, T*N] (True = masked), fully_masked bool [B], the head
@@ -167,10 +170,32 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
   masks = masking.sample_masks_from_config(k_mask, b, config)
   corrupted, kind = corruptions.corrupt_from_config(k_corrupt, frames, config)
   features_neg = _encode_clips(tokenizer.encode_features, tokenizer_params, corrupted)
-  text_swapped = swap_batch(text)
+  out = forward_logits(params, config, model, text, features, features_neg, masks.mask,
+                       masks.fully_masked)
+  return dict(out, codes=codes, corruption=kind)
 
-  mask = masks.mask  # [B, T, N]
-  fully_masked = masks.fully_masked  # [B]
+
+def forward_logits(params: Any, config: ml_collections.ConfigDict, model: nn.Module,
+                   text: jax.Array, features: jax.Array, features_neg: jax.Array,
+                   mask: jax.Array, fully_masked: jax.Array) -> dict:
+  """The stage-1 forwards on explicit inputs (what `batch_logits` samples and encodes).
+
+  Args:
+    params: encoder parameters.
+    config: the run config (config.pretrain.binary_inputs, fused_forwards).
+    model: the ProcedureEncoder.
+    text: int32 [B, L] caption ids (0 = padding).
+    features: [B, T, h, w, C] tokenizer features of the clips.
+    features_neg: [B, T, h, w, C] features of the corrupted clips.
+    mask: bool [B, T, N], True = masked.
+    fully_masked: bool [B], samples excluded from the binary losses' divisor.
+
+  Returns:
+    dict with frame_logits [B, T*N, K], token_mask bool [B, T*N], fully_masked bool [B] (all
+    False with binary_inputs='visible'), rel_pos, rel_neg, vid_pos, vid_neg [B].
+  """
+  b = text.shape[0]
+  text_swapped = swap_batch(text)
   inputs = config.pretrain.binary_inputs
   if inputs not in BINARY_INPUTS:
     raise ValueError(f'config.pretrain.binary_inputs must be one of {BINARY_INPUTS}, '
@@ -193,9 +218,9 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
   else:
     outs = [model.apply({'params': params}, *f, use_rel=True) for f in forwards]
   pos, neg_rel, neg_vid = outs[-3:]
-  return dict(frame_logits=outs[0]['frame_logits'], codes=codes, token_mask=mask.reshape(b, -1),
+  return dict(frame_logits=outs[0]['frame_logits'], token_mask=mask.reshape(b, -1),
               fully_masked=fully_masked, rel_pos=pos['rel_logit'], rel_neg=neg_rel['rel_logit'],
-              vid_pos=pos['vid_logit'], vid_neg=neg_vid['vid_logit'], corruption=kind)
+              vid_pos=pos['vid_logit'], vid_neg=neg_vid['vid_logit'])
 
 
 def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
