@@ -26,6 +26,7 @@ import numpy as np
 from bench import common
 from bench import train_step as bench_step
 from procap_jax import stages
+from procap_jax.diagnostics import stand_ins
 from procap_jax.tasks import caption as caption_task
 
 
@@ -37,10 +38,10 @@ def measure(config_spec: str, batch_size: int, repeats: int, dtype: str,
   bench_step.fill_vocab_sizes(config)
   task = stages.TASKS['caption']
   model = task.build_model(config)
-  batch = bench_step.fake_batch(config, batch_size)
+  batch = stand_ins.fake_batch(config, batch_size)
   params = jax.jit(lambda r: nn.meta.unbox(task.init_params(model, config, r, batch)))(
       jax.random.key(0))
-  constants = {'tokenizer': bench_step.random_tokenizer(config)}
+  constants = {'tokenizer': stand_ins.random_tokenizer(config)}
 
   def run(b, a):
     return caption_task.generate(params, constants, config, model, b, a)

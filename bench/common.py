@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import stats
+
+from procap_jax.diagnostics import records as records_lib
 
 FIELDS = ('bench', 'config', 'batch', 'samples_per_s', 'tokens_per_s', 'peak_rss_gib', 'mfu')
 
@@ -39,8 +40,7 @@ def emit(record: dict) -> None:
   """
   out = {k: record.get(k) for k in FIELDS} if 'bench' in record else {}
   out.update(record)
-  out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
-  print(json.dumps(out), flush=True)
+  records_lib.emit(out)
 
 
 def run_child(module: str, args: Sequence[str], env: dict | None = None,
@@ -139,12 +139,3 @@ def time_all(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> lis
     times.append(time.perf_counter() - t0)
   return times
 
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-  """ROC AUC of `scores` [M] for bool `labels` [M] (Mann-Whitney, ties count half); 0.5 when
-  one class is absent."""
-  pos, neg = scores[labels], scores[~labels]
-  if not len(pos) or not len(neg):
-    return 0.5
-  ranks = stats.rankdata(np.concatenate([pos, neg]))  # average ranks for ties
-  return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))

@@ -27,6 +27,7 @@ import numpy as np
 
 from bench import common
 from bench import train_step as bench_step
+from procap_jax.diagnostics import stand_ins
 from procap_jax.tasks import pretrain
 
 VARIANTS = {'plain': (False, 0), 'scan': (True, 0), 'chunk': (False, 128), 'both': (True, 128)}
@@ -53,7 +54,7 @@ def _config(spec: str, dtype: str, variant: str):
 def tokenizer_part(spec: str, batch: int, dtype: str, repeats: int, peak: float) -> dict:
   config = _config(spec, dtype, 'plain')
   tokenizer = pretrain.vqgan_tokenizer(config)
-  params = jax.device_put(bench_step.random_tokenizer(config))
+  params = jax.device_put(stand_ins.random_tokenizer(config))
   s, t = config.data.image_size, config.data.num_keyframes + 2
   images = jnp.asarray(np.random.default_rng(0).random((batch * t, s, s, 3), np.float32))
   compiled = jax.jit(tokenizer.encode_features).lower(params, images).compile()

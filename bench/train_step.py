@@ -24,15 +24,13 @@ import ast
 import importlib
 import time
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bench import common
 from procap_jax import sharding
 from procap_jax import train
-from procap_jax.models import vqgan
+from procap_jax.diagnostics import stand_ins
 
 STAGES = ('tokenizer', 'pretrain', 'caption')
 
@@ -55,33 +53,6 @@ def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()):
   return config
 
 
-def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
-  """A batch of the contract with random content."""
-  rng = np.random.default_rng(seed)
-  s, t, l = config.data.image_size, config.data.num_keyframes + 2, config.data.max_caption_len
-  frames = rng.integers(0, 256, (batch_size, t, s, s, 3), dtype=np.uint8)
-  caption = rng.integers(8, 40, (batch_size, l)).astype(np.int32)
-  caption[:, 0] = 4
-  caption[:, 12] = 5
-  caption[:, 13:] = 0
-  return {
-      'before': frames[:, 0], 'after': frames[:, -1], 'keyframes': frames,
-      'keyframe_index': np.tile(np.linspace(0, 8, t).astype(np.int32), (batch_size, 1)),
-      'caption_in': caption, 'encoder_text': np.where(caption > 7, caption, 0).astype(np.int32),
-      'change_type': rng.integers(0, 6, batch_size).astype(np.int32),
-      'example_index': np.arange(batch_size, dtype=np.int32),
-      'valid': np.ones(batch_size, bool),
-  }
-
-
-def random_tokenizer(config) -> dict:
-  """Randomly initialised VQGAN 'params' of `config.tokenizer.model` (host numpy)."""
-  model = vqgan.VQGAN(**config.tokenizer.model)
-  s = config.data.image_size
-  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros([1, s, s, 3]))
-  return jax.tree.map(np.asarray, jax.device_get(nn.meta.unbox(variables['params'])))
-
-
 def fill_vocab_sizes(config) -> None:
   """Vocabulary sizes that would come from the dataset (80 = CLEVR-Change's), in place."""
   if not config.pretrain.model.text_vocab_size:
@@ -99,9 +70,10 @@ def prepare(config, stage: str, batch_size: int, mesh=None):
   mesh = mesh if mesh is not None else sharding.mesh_from_config(config)
   model = task.build_model(config)
   tx = task.make_optimizer(config, 1000)
-  batch = fake_batch(config, batch_size)
+  batch = stand_ins.fake_batch(config, batch_size)
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
-  constants = None if stage == 'tokenizer' else {'tokenizer': random_tokenizer(config)}
+  tokenizer = None if stage == 'tokenizer' else stand_ins.random_tokenizer(config)
+  constants = None if tokenizer is None else {'tokenizer': tokenizer}
   const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
   constants = jax.device_put(constants, const_sh)
   batch_sh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}

@@ -1,10 +1,10 @@
-"""bench.code_statistics on hand-made codes."""
+"""procap_jax.diagnostics.code_statistics on hand-made codes."""
 
 import math
 
 import numpy as np
 
-from bench import code_statistics
+from procap_jax.diagnostics import code_statistics
 
 
 def test_statistics_on_hand_made_codes():

@@ -1,9 +1,9 @@
-"""bench.head_logits on hand-made logits."""
+"""procap_jax.diagnostics.head_logits on hand-made logits."""
 
 import numpy as np
 import pytest
 
-from bench import head_logits
+from procap_jax.diagnostics import head_logits
 
 
 def test_best_threshold_separates_shifted_logits():

@@ -1,10 +1,11 @@
-"""bench.probe_consistency --task change on hand-made features."""
+"""procap_jax.diagnostics.probe_consistency --task change (probe_change) on hand-made features."""
 
 import numpy as np
 import pytest
 
-from bench import common
-from bench import probe_consistency
+from procap_jax.diagnostics import head_logits
+from procap_jax.diagnostics import probe_change
+from procap_jax.diagnostics import probe_consistency
 
 
 def test_difference_mlp_learns_a_local_change_and_records_are_complete():
@@ -14,7 +15,7 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
   m = config.pretrain.model
   clean, change = probe_consistency.toy_change_clips(200, tuple(m.grid), m.feature_dim)
   pixels = clean[..., :12]  # any [M, T, h, w, 12] array stands in for patch statistics
-  records = list(probe_consistency.probe_change(config, clean, change, n_train=160, steps=60,
+  records = list(probe_change.probe_change(config, clean, change, n_train=160, steps=60,
                                                 every=20, lr=1e-3, pixels=pixels))
   by_probe = {}
   for r in records:
@@ -38,12 +39,12 @@ def test_difference_mlp_learns_a_local_change_and_records_are_complete():
 
 def test_auc_ranks_scores_with_ties_counted_half():
   labels = np.array([True, True, False, False])
-  assert common.roc_auc(np.array([3.0, 2.0, 1.0, 0.0]), labels) == 1.0
-  assert common.roc_auc(np.array([0.0, 1.0, 2.0, 3.0]), labels) == 0.0
+  assert head_logits.roc_auc(np.array([3.0, 2.0, 1.0, 0.0]), labels) == 1.0
+  assert head_logits.roc_auc(np.array([0.0, 1.0, 2.0, 3.0]), labels) == 0.0
   # one tie between a positive and a negative: 3 of 4 pairs ordered, the tie half
-  assert common.roc_auc(np.array([3.0, 1.0, 1.0, 0.0]), labels) == pytest.approx(0.875)
-  assert common.roc_auc(np.array([5.0, 5.0, 5.0, 5.0]), labels) == 0.5
-  assert common.roc_auc(np.array([1.0, 2.0]), np.array([True, True])) == 0.5
+  assert head_logits.roc_auc(np.array([3.0, 1.0, 1.0, 0.0]), labels) == pytest.approx(0.875)
+  assert head_logits.roc_auc(np.array([5.0, 5.0, 5.0, 5.0]), labels) == 0.5
+  assert head_logits.roc_auc(np.array([1.0, 2.0]), np.array([True, True])) == 0.5
 
 
 def _tiny_clips_and_fits(monkeypatch, m: int):
@@ -60,17 +61,17 @@ def _tiny_clips_and_fits(monkeypatch, m: int):
     fits[name] = (apply, params, kwargs)
     return iter(())
 
-  monkeypatch.setattr(probe_consistency, '_fit_binary', record_fit)
+  monkeypatch.setattr(probe_change, '_fit_binary', record_fit)
   return config, clean, change, fits
 
 
 def test_encoder_probe_starts_from_given_parameters(monkeypatch):
   import jax
   config, clean, change, fits = _tiny_clips_and_fits(monkeypatch, 40)
-  list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3))
+  list(probe_change.probe_change(config, clean, change, 32, 1, 1, 1e-3))
   scratch = fits['change_encoder_rel'][1]['encoder']
   given = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), scratch)
-  list(probe_consistency.probe_change(config, clean, change, 32, 1, 1, 1e-3, init_params=given))
+  list(probe_change.probe_change(config, clean, change, 32, 1, 1, 1e-3, init_params=given))
   leaves = jax.tree.leaves(fits['change_encoder_rel'][1]['encoder'])
   assert len(leaves) == len(jax.tree.leaves(scratch))
   assert all(np.all(np.asarray(x) == 0.5) for x in leaves)
@@ -84,7 +85,7 @@ def test_encoder_probe_reads_the_state_its_head_scores(head, monkeypatch):
   import jax
   config, clean, change, fits = _tiny_clips_and_fits(monkeypatch, 8)
   m = config.pretrain.model
-  list(probe_consistency.probe_change(config, clean, change, 4, 1, 1, 1e-3, head=head))
+  list(probe_change.probe_change(config, clean, change, 4, 1, 1, 1e-3, head=head))
   apply, params, kwargs = fits[f'change_encoder_{head}']
   if head == 'max':  # a non-zero readout, so the tokens' scores differ
     params['max_readout']['w'] = jax.random.normal(jax.random.key(1), (m.width,))

@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from bench import train_step as bench_step
 from procap_jax import sharding
 from procap_jax import stages
 from procap_jax import train
+from procap_jax.diagnostics import stand_ins
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4)]
 # (2, 4) for stage 1 only: its parameters are the ones split over 'model' below, and every stage
@@ -21,7 +21,7 @@ def _two_steps(config, stage, mesh_shape):
   task = stages.TASKS[stage]
   model = task.build_model(config)
   tx = task.make_optimizer(config, 100)
-  batch = bench_step.fake_batch(config, 8, seed=1)
+  batch = stand_ins.fake_batch(config, 8, seed=1)
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
   constants = None if stage == 'tokenizer' else {'tokenizer': _TOKENIZER[0]}
   const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
@@ -56,7 +56,7 @@ def config():
   cfg.caption.model.vocab_size = 40
   cfg.caption.init_from_pretrain = False
   if not _TOKENIZER:
-    _TOKENIZER.append(bench_step.random_tokenizer(cfg))
+    _TOKENIZER.append(stand_ins.random_tokenizer(cfg))
   return cfg
 
 

@@ -1,7 +1,7 @@
 r"""What a masked-token accuracy is worth: the tokenizer's code statistics on a run's keyframes.
 
-  python -m bench.code_statistics --workdir W                   # W: a run with a tokenizer
-  python -m bench.code_statistics --workdir W --split test --batches 0
+  python -m procap_jax.diagnostics.code_statistics --workdir W     # W: a run with a tokenizer
+  python -m procap_jax.diagnostics.code_statistics --workdir W --split test --batches 0
 
 Dimension legend: B batch, T frames, h x w tokenizer grid, K codebook size.
 
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import common
 from procap_jax import errors
 from procap_jax.data import pipeline
+from procap_jax.diagnostics import records
 from procap_jax.tasks import pretrain
 from procap_jax.tasks import tokenizer
 
@@ -88,7 +88,7 @@ def main():
   except errors.UserError as e:
     raise SystemExit(f'error: {e}') from None
   record = statistics(codes, train_codes, int(config.tokenizer.model.n_embed))
-  common.emit({'measure': 'code_statistics', 'split': args.split, **record})
+  records.emit({'measure': 'code_statistics', 'split': args.split, **record})
 
 
 if __name__ == '__main__':

@@ -1,7 +1,8 @@
 r"""Why a stage-1 binary head ranks better than it decides: its raw logits on a run's splits.
 
-  python -m bench.head_logits --workdir W                    # W: a run whose stage 1 finished
-  python -m bench.head_logits --workdir W --split test --threshold-split val --which latest
+  python -m procap_jax.diagnostics.head_logits --workdir W        # W: a run whose stage 1 finished
+  python -m procap_jax.diagnostics.head_logits --workdir W --split test --threshold-split val \
+      --which latest
 
 Dimension legend: B batch, M samples of a split.
 
@@ -35,11 +36,12 @@ import os
 
 import jax
 import numpy as np
+from scipy import stats
 
-from bench import common
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import pipeline
+from procap_jax.diagnostics import records
 from procap_jax.tasks import corruptions
 from procap_jax.tasks import pretrain
 
@@ -83,6 +85,16 @@ def rank_acc(pos: np.ndarray, neg: np.ndarray) -> float:
   return float(np.mean((pos > neg) + 0.5 * (pos == neg)))
 
 
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+  """ROC AUC of `scores` [M] for bool `labels` [M] (Mann-Whitney, ties count half); 0.5 when
+  one class is absent."""
+  pos, neg = scores[labels], scores[~labels]
+  if not len(pos) or not len(neg):
+    return 0.5
+  ranks = stats.rankdata(np.concatenate([pos, neg]))  # average ranks for ties
+  return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
 def summary(pos: np.ndarray, neg: np.ndarray, threshold: float) -> dict:
   """The per-head record (see the module docstring) of logits pos, neg [M]."""
   corr = np.corrcoef(pos, neg)[0, 1] if pos.std() > 0 and neg.std() > 0 else float('nan')
@@ -91,7 +103,7 @@ def summary(pos: np.ndarray, neg: np.ndarray, threshold: float) -> dict:
       acc_at_0=float((np.mean(pos > 0) + np.mean(neg < 0)) / 2),
       acc_at_threshold=float((np.mean(pos > threshold) + np.mean(neg <= threshold)) / 2),
       threshold=threshold,
-      auc=common.roc_auc(np.concatenate([pos, neg]), np.arange(len(pos) + len(neg)) < len(pos)),
+      auc=roc_auc(np.concatenate([pos, neg]), np.arange(len(pos) + len(neg)) < len(pos)),
       rank_acc=rank_acc(pos, neg),
       pos_mean=float(pos.mean()), pos_std=float(pos.std()),
       neg_mean=float(neg.mean()), neg_std=float(neg.std()), pos_neg_corr=float(corr))
@@ -140,7 +152,7 @@ def main():
     if head == 'csy':
       record['by_corruption'] = by_corruption(measured[pos_key], measured[neg_key],
                                               measured['corruption'])
-    common.emit(record)
+    records.emit(record)
 
 
 if __name__ == '__main__':

@@ -1,7 +1,7 @@
 r"""What stage 1's caption matching can reach on the synthetic benchmark, by what a model knows.
 
-  python -m bench.match_ceiling                  # the `small` benchmark's train scenes
-  python -m bench.match_ceiling --scenes 500 --draws 5000
+  python -m procap_jax.diagnostics.match_ceiling         # the `small` benchmark's train scenes
+  python -m procap_jax.diagnostics.match_ceiling --scenes 500 --draws 5000
 
 L_align pairs a clip with its own caption (positive) and with another sample's caption
 (negative); half the samples are no-change distractors with "nothing has changed" captions.
@@ -23,7 +23,7 @@ import argparse
 
 import numpy as np
 
-from bench import common
+from procap_jax.diagnostics import records
 from tfds_builders.synthetic_change import captions
 from tfds_builders.synthetic_change import scene
 
@@ -62,7 +62,7 @@ def main():
       i, j = rng.choice(len(pairs), size=2, replace=False)
       right.append(decide(rule, pairs[i], pairs[i], bool(rng.random() < 0.5)))
       right.append(not decide(rule, pairs[i], pairs[j], bool(rng.random() < 0.5)))
-    common.emit({'rule': rule, 'accuracy': float(np.mean(right)), 'decisions': len(right)})
+    records.emit({'rule': rule, 'accuracy': float(np.mean(right)), 'decisions': len(right)})
 
 
 if __name__ == '__main__':

@@ -1,6 +1,7 @@
 r"""Why does a captioner ignore its images? Three measurements on a run's workdir.
 
-  python -m bench.diagnose_caption --workdir W [--which best]   (W: a run with a caption stage)
+  python -m procap_jax.diagnostics.diagnose_caption --workdir W [--which best]
+  (W: a run with a caption stage)
 
 Dimension legend: B batch, M memory length, H decoder width, C tokenizer feature channels,
 h x w tokenizer grid, P probe features.
@@ -30,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bench import common
 from procap_jax import caption as caption_cli
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import pipeline
+from procap_jax.diagnostics import records
 from procap_jax.tasks import caption as caption_task
 
 
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> None:
   fresh = nn.meta.unbox(model.init(jax.random.PRNGKey(config.seed), fb[:1], fa[:1],
                                    jnp.asarray(batch['caption_in'][:1]))['params'])
   for name, params in ((args.which, trained), ('init', fresh)):
-    common.emit({'measurement': 'memory', 'params': name, 'batch': args.batch,
+    records.emit({'measurement': 'memory', 'params': name, 'batch': args.batch,
                  'image_dependence': memory_dependence(np.asarray(encode(params, fb, fa)))})
 
   def collect(split, num_batches):
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> None:
   pred = linear_probe(x_train, y_train, x_val, num_classes)
   majority = collections.Counter(y_train.tolist()).most_common(1)[0][0]
   none_rate = float(np.mean(y_val == 0))
-  common.emit({'measurement': 'probe', 'train_pairs': len(y_train), 'val_pairs': len(y_val),
+  records.emit({'measurement': 'probe', 'train_pairs': len(y_train), 'val_pairs': len(y_val),
                'change_type_acc': float(np.mean(pred == y_val)),
                'change_type_majority': float(np.mean(y_val == majority)),
                'change_vs_none_acc': float(np.mean((pred == 0) == (y_val == 0))),
@@ -141,7 +142,7 @@ def main(argv: list[str]) -> None:
     ids = caption_task.generate(trained, constants, config, model, b['before'], b['after'],
                                 tokenizer)
     captions.update(vocab.decode(row) for row, v in zip(ids, b['valid']) if v)
-  common.emit({'measurement': 'captions', 'split': 'val', 'pairs': sum(captions.values()),
+  records.emit({'measurement': 'captions', 'split': 'val', 'pairs': sum(captions.values()),
                'distinct': len(captions), 'most_common': captions.most_common(1)[0][0],
                'most_common_share': captions.most_common(1)[0][1] / sum(captions.values())})
 

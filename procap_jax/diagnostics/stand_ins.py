@@ -1,0 +1,40 @@
+"""Random stand-ins for a step's inputs when their values do not matter.
+
+The step benchmarks (bench/) time train steps on them and the sharding tests compare one step on
+several meshes: a batch of the batch contract (docs/architecture.md) with random content and a
+randomly initialised tokenizer in place of the frozen one.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from procap_jax.models import vqgan
+
+
+def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
+  """A batch of the contract with random content: frames [B, T, S, S, 3] and captions [B, L]."""
+  rng = np.random.default_rng(seed)
+  s, t, l = config.data.image_size, config.data.num_keyframes + 2, config.data.max_caption_len
+  frames = rng.integers(0, 256, (batch_size, t, s, s, 3), dtype=np.uint8)
+  caption = rng.integers(8, 40, (batch_size, l)).astype(np.int32)
+  caption[:, 0] = 4
+  caption[:, 12] = 5
+  caption[:, 13:] = 0
+  return {
+      'before': frames[:, 0], 'after': frames[:, -1], 'keyframes': frames,
+      'keyframe_index': np.tile(np.linspace(0, 8, t).astype(np.int32), (batch_size, 1)),
+      'caption_in': caption, 'encoder_text': np.where(caption > 7, caption, 0).astype(np.int32),
+      'change_type': rng.integers(0, 6, batch_size).astype(np.int32),
+      'example_index': np.arange(batch_size, dtype=np.int32),
+      'valid': np.ones(batch_size, bool),
+  }
+
+
+def random_tokenizer(config) -> dict:
+  """Randomly initialised VQGAN 'params' of `config.tokenizer.model` (host numpy)."""
+  model = vqgan.VQGAN(**config.tokenizer.model)
+  s = config.data.image_size
+  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros([1, s, s, 3]))
+  return jax.tree.map(np.asarray, jax.device_get(nn.meta.unbox(variables['params'])))
