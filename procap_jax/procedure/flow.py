@@ -1,4 +1,4 @@
-"""Motion between two frames and the frames in between: the engine of the `flow` method.
+"""Motion between two frames: the estimation half of the engine of the `flow` method.
 
 Dimensions: H x W image size, 2 flow components (dx, dy), 3 colour channels.
 
@@ -14,11 +14,8 @@ Dimensions: H x W image size, 2 flow components (dx, dy), 3 colour channels.
      image; a displacement is kept when it explains both sides and the explained pixels of a,
      shifted, overlap those of b (a real move, not a look-alike);
   4. forward-backward consistency: unmatched inconsistent flow goes back to the camera motion.
-`synthesize(a, b, t, motion)` projects both flows to time t (splatting, moving and consistent
-pixels in front), warps both endpoints backwards with cv2.remap and fuses them with
-occlusion-aware weights (an occluded sample is replaced by the other endpoint's, shifted by the
-smooth local light change). All tunables are module constants below; docs/procedure.md has the
-measurements behind them.
+`synthesis.synthesize(a, b, t, motion)` renders the frames in between from the `Motion`. All
+tunables are module constants below; docs/procedure.md has the measurements behind them.
 
 Flow convention: `f_ab[y, x] = (dx, dy)` means pixel (x, y) of a shows the point at
 (x + dx, y + dy) of b, so `warp(b, f_ab)` looks like a.
@@ -53,13 +50,13 @@ def warp(image: np.ndarray, flow: np.ndarray) -> np.ndarray:
   Returns:
     float32 with the shape of `image`; samples outside the image repeat the border.
   """
-  gx, gy = _grid(*flow.shape[:2])
+  gx, gy = pixel_grid(*flow.shape[:2])
   return cv2.remap(image, gx + flow[..., 0], gy + flow[..., 1], cv2.INTER_LINEAR,
                    borderMode=cv2.BORDER_REPLICATE)
 
 
 @functools.lru_cache(maxsize=8)
-def _grid(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+def pixel_grid(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
   """Pixel coordinates (x, y), float32 [H, W] each (read-only, cached)."""
   gx, gy = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
   gx.flags.writeable = gy.flags.writeable = False
@@ -116,7 +113,7 @@ class _Direction:
 
   def set_camera(self, transform: np.ndarray) -> None:
     """Sets the camera motion (3x3, a -> b); DIS flow stays only where clearly better."""
-    gx, gy = _grid(*self.a.shape[:2])
+    gx, gy = pixel_grid(*self.a.shape[:2])
     t = transform
     self.camera = np.stack([t[0, 0] * gx + t[0, 1] * gy + t[0, 2] - gx,
                             t[1, 0] * gx + t[1, 1] * gy + t[1, 2] - gy], -1).astype(np.float32)
@@ -161,7 +158,7 @@ class _Direction:
 def _fit_similarity(flow: np.ndarray, valid: np.ndarray) -> np.ndarray | None:
   """A similarity transform (3x3) fitted with RANSAC to `flow` [H, W, 2] on `valid` pixels."""
   h, w = flow.shape[:2]
-  gx, gy = _grid(h, w)
+  gx, gy = pixel_grid(h, w)
   step = max(1, int(np.sqrt(h * w / 2000)))
   m = valid[::step, ::step]
   src = np.stack([gx[::step, ::step][m], gy[::step, ::step][m]], -1)
@@ -268,7 +265,7 @@ def _match_moved_objects(d0: _Direction, d1: _Direction,
   return kept
 
 
-def _consistency(f_ab: np.ndarray, f_ba: np.ndarray) -> np.ndarray:
+def consistency(f_ab: np.ndarray, f_ba: np.ndarray) -> np.ndarray:
   """1 where f_ab is forward-backward consistent with f_ba (Sundaram et al. 2010); [H, W]."""
   back = warp(f_ba, f_ab)
   sq = lambda f: f[..., 0] ** 2 + f[..., 1] ** 2
@@ -312,7 +309,7 @@ def estimate_motion(a: np.ndarray, b: np.ndarray, hints: Sequence[np.ndarray] = 
   d1.set_camera(np.linalg.inv(camera))
   moves = _match_moved_objects(d0, d1, [np.float32(d) * scale for d in hints])
   for _ in range(4):  # unmatched inconsistent flow (e.g. DIS on a vanished object) -> camera
-    bad = [(_consistency(p.flow, q.flow) < 0.5) & ~p.matched
+    bad = [(consistency(p.flow, q.flow) < 0.5) & ~p.matched
            & (_absmax(p.flow, p.camera) > 0.5) for p, q in ((d0, d1), (d1, d0))]
     for p, m in zip((d0, d1), bad):
       p.flow[m] = p.camera[m]
@@ -328,74 +325,3 @@ def _resize_flow(flow: np.ndarray, h: int, w: int) -> np.ndarray:
     return flow
   out = cv2.resize(flow, (w, h), interpolation=cv2.INTER_AREA if h < fh else cv2.INTER_LINEAR)
   return out * np.float32([w / fw, h / fh])
-
-
-# ---------------------------------------------------------------------- synthesis at time t
-def _nearest_fill(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
-  """Replaces the invalid pixels of values [H, W, C] by the value of the nearest valid pixel."""
-  if valid.all() or not valid.any():
-    return values
-  _, labels = cv2.distanceTransformWithLabels((~valid).astype(np.uint8), cv2.DIST_L2, 5,
-                                              labelType=cv2.DIST_LABEL_PIXEL)
-  ys, xs = np.nonzero(valid)
-  lut_y, lut_x = np.zeros(labels.max() + 1, np.int64), np.zeros(labels.max() + 1, np.int64)
-  lut_y[labels[ys, xs]], lut_x[labels[ys, xs]] = ys, xs
-  return values[lut_y[labels], lut_x[labels]]
-
-
-def _project(f01: np.ndarray, f10: np.ndarray, c0: np.ndarray, c1: np.ndarray,
-             t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Flows from time t to both endpoints, by splatting each endpoint's pixels to time t.
-
-  Every pixel of frame 0 lands at x + t f01 and every pixel of frame 1 at x + (1 - t) f10; where
-  several land on one pixel, a consistent one beats an inconsistent one, then the larger motion
-  wins (moving objects are in front of the static floor; near things move more under a camera
-  move). Holes take their nearest neighbour. Returns ft0, ft1 [H, W, 2] and the visibilities
-  v0, v1 [H, W] of the pixel in frame 0 and frame 1.
-  """
-  h, w = f01.shape[:2]
-  gx, gy = _grid(h, w)
-  one = np.ones((h, w, 1), np.float32)
-  values, targets, priorities = [], [], []
-  # Per source pixel: (ft0 [2], ft1 [2], v0, v1) it carries to its target at time t.
-  carried0 = np.concatenate([-t * f01, (1 - t) * f01, one, c0[..., None]], -1)   # [H, W, 6]
-  carried1 = np.concatenate([t * f10, -(1 - t) * f10, c1[..., None], one], -1)
-  for f, c, s, v in ((f01, c0, t, carried0), (f10, c1, 1 - t, carried1)):
-    tx = np.rint(gx + s * f[..., 0]).astype(np.int64)
-    ty = np.rint(gy + s * f[..., 1]).astype(np.int64)
-    inside = (tx >= 0) & (tx < w) & (ty >= 0) & (ty < h)
-    values.append(v[inside])
-    targets.append((ty * w + tx)[inside])
-    priorities.append((c * 1e4 + np.hypot(f[..., 0], f[..., 1]))[inside])
-  values, targets, priorities = (np.concatenate(x) for x in (values, targets, priorities))
-  order = np.lexsort((priorities, targets))
-  targets = targets[order]
-  last = np.r_[targets[1:] != targets[:-1], True]   # the highest priority per target pixel
-  out, filled = np.zeros((h * w, 6), np.float32), np.zeros(h * w, bool)
-  out[targets[last]], filled[targets[last]] = values[order][last], True
-  out = _nearest_fill(out.reshape(h, w, 6), filled.reshape(h, w))
-  return out[..., 0:2], out[..., 2:4], out[..., 4], out[..., 5]
-
-
-def synthesize(a: np.ndarray, b: np.ndarray, t: float, motion: Motion) -> np.ndarray:
-  """The frame float32 [H, W, 3] at time t in (0, 1) between the endpoints a, b [H, W, 3].
-
-  Both endpoints are backward-warped to t and blended with weights (1 - t, t). Where one
-  sample is not visible (forward-backward inconsistent: occluded, or a flow failure), the other
-  endpoint's sample stands in for it, shifted by the local colour difference between the two
-  warps (a smooth field fitted where both are visible: the light change); where neither is
-  visible, the two are blended as they are.
-  """
-  f_ab, f_ba = motion.f_ab, motion.f_ba
-  ft0, ft1, v0, v1 = _project(f_ab, f_ba, _consistency(f_ab, f_ba), _consistency(f_ba, f_ab), t)
-  neither = (v0 + v1) < 0.5
-  v0, v1 = np.where(neither, 1.0, v0)[..., None], np.where(neither, 1.0, v1)[..., None]
-  from_a, from_b = warp(a, ft0), warp(b, ft1)
-  both = v0 * v1
-  sigma = 0.1 * max(a.shape[:2])
-  num = cv2.GaussianBlur((from_b - from_a) * both, (0, 0), sigma)
-  den = cv2.GaussianBlur(both[..., 0], (0, 0), sigma)[..., None]
-  light = np.where(den > 1e-3, num / np.maximum(den, 1e-3), 0.0)   # b - a, smooth  [H, W, 3]
-  from_a, from_b = (v0 * from_a + (1 - v0) * (from_b - light),
-                    v1 * from_b + (1 - v1) * (from_a + light))
-  return (1 - t) * from_a + t * from_b

@@ -26,6 +26,7 @@ import numpy as np
 import PIL.Image
 
 from procap_jax.procedure import flow
+from procap_jax.procedure import synthesis
 
 Method = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 Midpoint = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -75,7 +76,7 @@ def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def flow_midpoint(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   """The middle frame float32 [H, W, 3] of two float32 RGB images [H, W, 3] in [0, 255]."""
-  return flow.synthesize(a, b, 0.5, flow.estimate_motion(a, b))
+  return synthesis.synthesize(a, b, 0.5, flow.estimate_motion(a, b))
 
 
 # -------------------------------------------------------------------------------- methods
@@ -131,7 +132,7 @@ def flow_recursive(before: np.ndarray, after: np.ndarray, num_frames: int) -> np
       mid, moves = a, []
       if not np.array_equal(a, b):
         motion = flow.estimate_motion(a, b, hints[lo])
-        mid = np.clip(np.rint(flow.synthesize(a, b, 0.5, motion)), 0, 255).astype(np.float32)
+        mid = np.clip(np.rint(synthesis.synthesize(a, b, 0.5, motion)), 0, 255).astype(np.float32)
         moves = motion.moves
       frames[lo + step // 2] = mid
       hints[lo] = hints[lo + step // 2] = [d / 2 for d in moves if np.hypot(*d) >= 3.0]
@@ -145,7 +146,7 @@ def flow_direct(before: np.ndarray, after: np.ndarray, num_frames: int) -> np.nd
   if np.array_equal(before, after):
     return np.stack([before] * num_frames)
   motion = flow.estimate_motion(before, after)
-  inner = [flow.synthesize(before, after, k / (num_frames - 1), motion)
+  inner = [synthesis.synthesize(before, after, k / (num_frames - 1), motion)
            for k in range(1, num_frames - 1)]
   return np.stack([before, *inner, after])
 
