@@ -71,21 +71,10 @@ def tiny_config(tiny_data_dir):
   return config
 
 
-# ---------------------------------------------------------------------------------------------
-# docs/reliability.md: tests record each fault they try and what happened; with
-# PROCAP_WRITE_RELIABILITY=1 the session writes the table (CI leaves the file alone).
-# ---------------------------------------------------------------------------------------------
-RELIABILITY_DOC = REPO / 'docs' / 'reliability.md'
-RELIABILITY_COMMAND = ('PROCAP_WRITE_RELIABILITY=1 python -m pytest -q -n 0 '
-                       'tests/reliability_test.py tests/images_test.py')
-_RELIABILITY_ROWS: list[dict] = []
-_RELIABILITY_FAILED: list[str] = []
-
-
 # The slowest files first (descending): the two xdist workers take whole files in collection
 # order, so a long file left for the end would run alone while the other worker idles.
 _SLOW_FILES_FIRST = ('multihost_test.py', 'real_builders_test.py', 'train_sharding_test.py',
-                     'end_to_end_test.py', 'reliability_test.py')
+                     'end_to_end_test.py', 'reliability_train_test.py')
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -94,70 +83,25 @@ def pytest_collection_modifyitems(session, config, items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within each file
 
 
-def pytest_configure(config):
-  if (os.environ.get('PROCAP_WRITE_RELIABILITY') == '1' and
-      config.getoption('numprocesses', None) not in (None, 0)):
-    raise pytest.UsageError('PROCAP_WRITE_RELIABILITY=1 writes one table from one process: '
-                            'add -n 0 to run the tests serially.')
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-  outcome = yield
-  report = outcome.get_result()
-  setattr(item, f'rep_{report.when}', report)
-
-
+# ---------------------------------------------------------------------------------------------
+# docs/reliability.md: tests record each fault they try and what happened on their report;
+# `python -m procap_jax.diagnostics.reliability_table` runs them and writes the table.
+# ---------------------------------------------------------------------------------------------
 @pytest.fixture()
 def fault(request):
   """`fault(entry_point, fault, result)` records one row of docs/reliability.md.
 
   `result` is what the test observed (e.g. the error sentence); paths under pytest's temporary
-  folder are shortened to `<tmp>/name`. Rows of a failing test are not written.
+  folder are shortened to `<tmp>/name`. The row goes on the test's report (a user property);
+  the table command keeps the rows of the tests that passed.
   """
   import re
+  from procap_jax.diagnostics import reliability_table
   base = str(request.config._tmp_path_factory.getbasetemp())  # pylint: disable=protected-access
-  rows = []
 
   def record(entry_point: str, what: str, result: str) -> None:
     text = re.sub(re.escape(base) + r'/[^/\s]+', '<tmp>', ' '.join(str(result).split()))
-    rows.append({'entry point': entry_point, 'fault': what, 'result': text})
+    row = {'entry point': entry_point, 'fault': what, 'result': text}
+    request.node.user_properties.append((reliability_table.ROW_PROPERTY, row))
 
-  yield record
-  report = getattr(request.node, 'rep_call', None)
-  if report is not None and report.passed:
-    name = request.node.name
-    _RELIABILITY_ROWS.extend(dict(r, test=f'{request.node.path.name}::{name}') for r in rows)
-  elif rows:
-    _RELIABILITY_FAILED.append(request.node.nodeid)
-
-
-def pytest_sessionfinish(session, exitstatus):
-  del session, exitstatus
-  if os.environ.get('PROCAP_WRITE_RELIABILITY') != '1' or not _RELIABILITY_ROWS:
-    return
-  if os.environ.get('PYTEST_XDIST_WORKER'):
-    return  # a worker holds only its own files' rows (pytest_configure asks for -n 0)
-  from procap_jax import errors
-  lines = [
-      '# Reliability: faults tried and what happened',
-      '',
-      'Produced by the test suite; do not edit by hand. Regenerate with:',
-      '',
-      '```bash',
-      RELIABILITY_COMMAND,
-      '```',
-      '',
-      'Each row is one fault a passing test injected, the entry point it hit, and the result the '
-      'test observed (error sentences verbatim; every error exits with status 2 and no '
-      'traceback). `<tmp>` stands for the test\'s temporary folder.',
-      '',
-  ]
-  if _RELIABILITY_FAILED:
-    lines += [f'**Missing rows: these tests failed: {", ".join(_RELIABILITY_FAILED)}.**', '']
-  lines += ['| entry point | fault | result | test |', '|---|---|---|---|']
-  cell = lambda s: str(s).replace('|', '\\|')  # noqa: E731
-  for r in sorted(_RELIABILITY_ROWS, key=lambda r: r['entry point']):
-    lines.append(f'| {cell(r["entry point"])} | {cell(r["fault"])} | {cell(r["result"])} | '
-                 f'`{r["test"]}` |')
-  errors.write_text_atomic(str(RELIABILITY_DOC), '\n'.join(lines) + '\n')
+  return record
