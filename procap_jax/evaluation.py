@@ -6,7 +6,7 @@ corpus-level BLEU-1..4 (`closest` reference length), METEOR 1.5, ROUGE-L and pyc
 `Cider` (the CIDEr-D formulation; its document frequencies come from the references of the ids
 being scored, so every group is re-scored on its own ids, as the original re-runs `evaluate`).
 We call the same scorer classes on the same inputs, with three practical changes that do not
-change any score:
+change any score (the Java side is `java_scorers`):
 
 * the PTB tokenizer jar is run by our own wrapper (same jar, flags and punctuation filter) that
   tokenises references and hypotheses in one Java call, keeps Java's chatter off the console,
@@ -28,29 +28,19 @@ CLI: `python -m procap_jax.evaluation --results R.json --references G.json [--ou
 """
 
 import argparse
-import contextlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 from pycocoevalcap.bleu import bleu
 from pycocoevalcap.cider import cider
-from pycocoevalcap.meteor import meteor
 from pycocoevalcap.rouge import rouge
-from pycocoevalcap.spice import get_stanford_models
-from pycocoevalcap.spice import spice
-from pycocoevalcap.tokenizer import ptbtokenizer
 
 from procap_jax import errors
+from procap_jax import java_scorers
 
 RESERVED_NAMES = ('all', 'notes')
-_LINE_BREAKS = str.maketrans({c: ' ' for c in '\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029'})
-_JAVA_HINT = 'install a Java runtime (java on PATH); pycocoevalcap needs it'
-_spice_verdict: list[str | None] = []  # [] = not checked yet; [None] = usable; [reason]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,8 +83,8 @@ def score_captions(predictions: Mapping[str, str], references: Mapping[str, Sequ
     else:
       notes.append(f'group {name!r} has no predicted ids and was not scored')
 
-  lines = _ptb_tokenize([predictions[i] for i in ids] +
-                        [c for i in ids for c in references[i]])
+  lines = java_scorers.ptb_tokenize([predictions[i] for i in ids] +
+                                    [c for i in ids for c in references[i]])
   res, gts, pos = {}, {}, len(ids)
   for n, i in enumerate(ids):
     res[i] = [lines[n]]
@@ -103,10 +93,10 @@ def score_captions(predictions: Mapping[str, str], references: Mapping[str, Sequ
 
   spice_per_id = None
   if use_spice:
-    spice_per_id, note = _spice_scores(gts, res)
+    spice_per_id, note = java_scorers.spice_scores(gts, res)
     if note:
       notes.append(note)
-  meteor_scorer = _start_meteor() if use_meteor else None
+  meteor_scorer = java_scorers.start_meteor() if use_meteor else None
   try:
     results = {}
     for name, subset in group_ids.items():
@@ -126,7 +116,7 @@ def score_captions(predictions: Mapping[str, str], references: Mapping[str, Sequ
       results[name] = scores
   finally:
     if meteor_scorer is not None:
-      _stop_meteor(meteor_scorer)
+      java_scorers.stop_meteor(meteor_scorer)
   if notes:
     results['notes'] = notes
   return results
@@ -208,93 +198,6 @@ def _describe(value) -> str:
     return 'empty' if not value.strip() else repr(value[:40])
   text = repr(value)
   return f'{type(value).__name__} {text if len(text) <= 40 else text[:37] + "..."}'
-
-
-# ---------------------------------------------------------------------------------------------
-# Java: PTB tokenizer, METEOR, SPICE.
-
-
-def _ptb_tokenize(captions: list[str]) -> list[str]:
-  """pycocoevalcap's PTBTokenizer (same jar, flags and punctuation removal), one caption a line."""
-  jar = os.path.join(os.path.dirname(os.path.abspath(ptbtokenizer.__file__)),
-                     ptbtokenizer.STANFORD_CORENLP_3_4_1_JAR)
-  text = '\n'.join(c.translate(_LINE_BREAKS) for c in captions)
-  with tempfile.TemporaryDirectory(prefix='procap_ptb_') as tmp:
-    path = os.path.join(tmp, 'captions.txt')
-    with open(path, 'wb') as f:
-      f.write(text.encode())
-    cmd = ['java', '-cp', jar, 'edu.stanford.nlp.process.PTBTokenizer', '-preserveLines',
-           '-lowerCase', path]
-    try:
-      proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
-    except FileNotFoundError:
-      raise errors.UserError(f'java was not found; {_JAVA_HINT}') from None
-  if proc.returncode != 0:
-    raise RuntimeError(f'PTBTokenizer failed ({proc.returncode}): '
-                       f'{proc.stderr.decode(errors="replace")[-500:]}')
-  lines = proc.stdout.decode().split('\n')
-  if len(lines) < len(captions) or any(line.strip() for line in lines[len(captions):]):
-    raise RuntimeError(f'PTBTokenizer returned {len(lines)} lines for {len(captions)} captions')
-  punctuation = set(ptbtokenizer.PUNCTUATIONS)
-  return [' '.join(w for w in line.rstrip().split(' ') if w not in punctuation)
-          for line in lines[:len(captions)]]
-
-
-def _start_meteor() -> meteor.Meteor:
-  try:
-    return meteor.Meteor()
-  except FileNotFoundError:
-    raise errors.UserError(f'java was not found; {_JAVA_HINT}') from None
-
-
-def _stop_meteor(scorer: meteor.Meteor) -> None:
-  """Ends the METEOR Java process now (its own __del__ would wait for garbage collection)."""
-  with scorer.lock:
-    proc = scorer.meteor_p
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-      stream.close()
-    proc.kill()
-    proc.wait()
-
-
-def _spice_jars() -> list[str]:
-  base = os.path.join(get_stanford_models.SPICEDIR, get_stanford_models.SPICELIB,
-                      get_stanford_models.JAR)
-  return [base + '.jar', base + '-models.jar']
-
-
-def _spice_scores(gts, res) -> tuple[dict | None, str | None]:
-  """Per-id SPICE F-scores, or (None, note) when SPICE cannot run; the verdict is cached."""
-  if not _spice_verdict:
-    missing = [p for p in _spice_jars() if not os.path.exists(p)]
-    _spice_verdict.append(
-        f'SPICE not computed: Stanford CoreNLP 3.6.0 is not installed ({missing[0]}); run '
-        '"python -m pycocoevalcap.spice.get_stanford_models" with internet access to enable it'
-        if missing else None)
-  if _spice_verdict[0]:
-    return None, _spice_verdict[0]
-  try:
-    with _stdout_to_stderr():
-      _, per_id = spice.Spice().compute_score(gts, res)
-    scores = {i: float(s['All']['f']) for i, s in zip(sorted(gts), per_id)}
-  except Exception as e:  # noqa: BLE001 -- SPICE is optional: any failure disables it.
-    _spice_verdict[0] = f'SPICE not computed: it failed ({type(e).__name__}: {e})'[:300]
-    return None, _spice_verdict[0]
-  return scores, None
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr():
-  """Sends file descriptor 1 (e.g. a Java child's output) to stderr for the duration."""
-  sys.stdout.flush()
-  saved = os.dup(1)
-  try:
-    os.dup2(2, 1)
-    yield
-  finally:
-    sys.stdout.flush()
-    os.dup2(saved, 1)
-    os.close(saved)
 
 
 # ---------------------------------------------------------------------------------------------

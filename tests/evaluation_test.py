@@ -20,6 +20,7 @@ import pytest
 
 from procap_jax import errors
 from procap_jax import evaluation
+from procap_jax import java_scorers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -110,18 +111,18 @@ def test_empty_captions_are_scored_with_notes():
 
 def test_line_breaks_inside_captions_do_not_shift_lines():
   refs = {'a': ['the cube\nmoved', 'it\r\nmoved'], 'b': ['nothing\u2028changed']}
-  tokens = evaluation._ptb_tokenize(['The cube\rmoved.', *refs['a'], *refs['b']])
+  tokens = java_scorers.ptb_tokenize(['The cube\rmoved.', *refs['a'], *refs['b']])
   assert tokens == ['the cube moved', 'the cube moved', 'it moved', 'nothing changed']
 
 
 def test_spice_unavailable_is_fast_and_cached(monkeypatch, tmp_path):
-  monkeypatch.setattr(evaluation, '_spice_verdict', [])
-  monkeypatch.setattr(evaluation, '_spice_jars', lambda: [str(tmp_path / 'corenlp.jar')])
+  monkeypatch.setattr(java_scorers, '_spice_verdict', [])
+  monkeypatch.setattr(java_scorers, '_spice_jars', lambda: [str(tmp_path / 'corenlp.jar')])
   start = time.perf_counter()
-  scores, note = evaluation._spice_scores({'1': ['a b']}, {'1': ['a b']})
+  scores, note = java_scorers.spice_scores({'1': ['a b']}, {'1': ['a b']})
   assert time.perf_counter() - start < 0.5
   assert scores is None and 'Stanford CoreNLP' in note and 'corenlp.jar' in note
-  monkeypatch.setattr(evaluation, '_spice_jars', lambda: pytest.fail('checked twice'))
+  monkeypatch.setattr(java_scorers, '_spice_jars', lambda: pytest.fail('checked twice'))
   result = evaluation.score_captions(HYPS, REFS, use_meteor=False)
   assert result['all']['SPICE'] is None and result['notes'] == [note]
 
@@ -136,8 +137,8 @@ class _FakeSpice:
 
 
 def test_spice_available_path(monkeypatch, capfd):
-  monkeypatch.setattr(evaluation, '_spice_verdict', [None])
-  monkeypatch.setattr(evaluation.spice, 'Spice', _FakeSpice)
+  monkeypatch.setattr(java_scorers, '_spice_verdict', [None])
+  monkeypatch.setattr(java_scorers.spice, 'Spice', _FakeSpice)
   result = evaluation.score_captions(HYPS, REFS, groups={'two': ['1', '3']}, use_meteor=False)
   assert result['all']['SPICE'] == pytest.approx(0.2)
   assert result['two']['SPICE'] == pytest.approx(0.2)
@@ -151,8 +152,8 @@ def test_spice_failure_becomes_a_note(monkeypatch):
     def compute_score(self, gts, res):
       raise subprocess.CalledProcessError(1, ['java'])
 
-  monkeypatch.setattr(evaluation, '_spice_verdict', [None])
-  monkeypatch.setattr(evaluation.spice, 'Spice', Broken)
+  monkeypatch.setattr(java_scorers, '_spice_verdict', [None])
+  monkeypatch.setattr(java_scorers.spice, 'Spice', Broken)
   result = evaluation.score_captions(HYPS, REFS, use_meteor=False)
   assert result['all']['SPICE'] is None
   assert result['notes'][0].startswith('SPICE not computed: it failed (CalledProcessError')

@@ -69,8 +69,8 @@ _EXPLAINED = (
 _DIRECT_WRITES = {  # the only writes that are not atomic, and why that is safe
     ('procap_jax/train.py', "open(path, 'a'"): 'metrics.jsonl is append-only; a line cut by a '
                                                'kill is dropped when the run resumes',
-    ('procap_jax/evaluation.py', "open(path, 'wb')"): "the Java tokenizer's input, in a private "
-                                                      'temporary directory',
+    ('procap_jax/java_scorers.py', "open(path, 'wb')"): "the Java tokenizer's input, in a "
+                                                        'private temporary directory',
 }
 
 
