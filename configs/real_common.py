@@ -39,6 +39,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   t = config.tokenizer.model
   t.ch, t.ch_mult, t.num_res_blocks, t.attn_resolutions = 128, (1, 1, 2, 2, 4), 2, (16,)
   t.resolution, t.z_channels, t.embed_dim, t.n_embed = 224, 256, 256, 1024
+  config.tokenizer.init_drop_unused_attention = True  # the released VQGANs' 256 px attention
   config.tokenizer.train.steps = 50_000
   config.tokenizer.train.batch_size = 16
   config.tokenizer.train.lr = 4.5e-6 * 16      # taming's base lr x batch

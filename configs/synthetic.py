@@ -71,6 +71,10 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
   # A taming VQModel checkpoint (.ckpt) to start from instead of a random init (README "Start
   # from the original's weights"); with train.steps=0 the stage keeps it as it is.
   t.init_from = ''
+  # Level attention weights in the file that this config's resolution gives no attention block
+  # (ProCap's VQGANs were fine-tuned at 256 px, so their level-4 attention; at 224 px the original
+  # builds none and its strict=False load drops them). False refuses such a file instead.
+  t.init_drop_unused_attention = False
   t.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 800}[preset],
       batch_size={'tiny': 8, 'quick': 16, 'default': 16}[preset],
@@ -136,6 +140,10 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
   # Weights to start from: OpenAI CLIP ViT (ViT-B-32.pt) -> the first `depth` blocks, the rest
   # keeps its init; or a released ProCap stage-1 checkpoint -> the whole encoder. '' = random.
   p.init_from = ''
+  # CLIP init only: round the block tensors OpenAI's convert_weights casts through float16 (what
+  # clip.load(jit=False) gives a float32 file). False = the original's loader, which keeps the
+  # file's values exactly (docs/fidelity.md).
+  p.clip_fp16_round_trip = False
   p.loss_weights = ml_collections.ConfigDict(dict(msm=7.0, align=0.5, csy=0.5))
   p.csy_normalisation = 'code'         # 'code': fully masked samples in the numerator only; 'mean'
   p.fused_forwards = True              # the 3 stage-1 forwards as one batch-3B call (same losses)

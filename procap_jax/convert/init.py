@@ -55,7 +55,8 @@ def converted(stage: str, config: ml_collections.ConfigDict, path: str) -> dict:
   from procap_jax.convert import taming
   if stage == 'tokenizer':
     state = read(path, 'the taming VQGAN checkpoint')
-    return taming.convert(state, config.tokenizer.model.to_dict())
+    return taming.convert(state, config.tokenizer.model.to_dict(),
+                          drop_unused_attention=config.tokenizer.init_drop_unused_attention)
   if stage == 'pretrain':
     state = read(path, 'the stage-1 init file')
     kwargs = _encoder_kwargs(config)
