@@ -123,12 +123,25 @@ def test_fixture_holds_the_paper_switches_and_sizes(case):
   assert lr0 == pytest.approx(float(case.io['lr']), rel=1e-6)
 
 
+def test_lr_schedule_runs_one_update_ahead_of_deepspeeds(case):
+  """The original's lr (DeepSpeed 0.18.5 WarmupLR stepped after each update, recorded for
+  updates 0..11): its constructor sets the min lr and its first step() computes ln(0 + 1) = 0
+  again, so update n >= 1 gets ln(n) / ln(W) where `pretrain.learning_rate` gives
+  ln(n + 1) / ln(W). Ours is one update ahead during the warmup (equal at 0 and from W on; at
+  most 8e-6 apart, at update 1). Asserted so that a change on either side shows."""
+  theirs = case.io['lr_schedule']
+  ours = np.asarray(pretrain.learning_rate(case.config, case.config.pretrain.train.steps)(
+      np.arange(len(theirs))))
+  assert ours[0] == pytest.approx(theirs[0], rel=1e-6) == theirs[1]
+  np.testing.assert_allclose(ours[1:-1], theirs[2:], rtol=1e-5)
+
+
 def test_clip_blocks_convert_as_the_original_loads_them(case):
   """The stage-1 checkpoint's blocks were loaded by the original from the CLIP archive (first
   `depth` of its blocks, float16 widened): our CLIP conversion gives them exactly."""
-  assert clip.file_depth(case.clip) == int(case.io['clip_layers']) > case.kwargs['depth']
+  assert clip.file_depth(case.clip) == int(case.io['clip_layers']) >= case.kwargs['depth']
   blocks = clip.encoder_blocks(case.clip, case.kwargs, file_heads=int(case.io['heads']))
-  assert sorted(blocks) == [f'resblocks_{i}' for i in range(case.kwargs['depth'])]
+  assert set(blocks) == {f'resblocks_{i}' for i in range(case.kwargs['depth'])}
   for got, want in zip(jax.tree.leaves(blocks), jax.tree.leaves({k: case.params[k]
                                                                   for k in blocks})):
     np.testing.assert_array_equal(got, want)
@@ -165,8 +178,10 @@ def test_one_adam_step_matches_the_original(case):
   assert float(norm) == pytest.approx(float(case.io['grad_norm']), rel=1e-4)
   opt = case.step1['optimizer']
   names = [str(n) for n in case.io['param_names']]
+  moments = {}
   for ours_key, theirs_key in (('mu', 'exp_avg'), ('nu', 'exp_avg_sq')):
-    theirs = case.torch_named({names[i]: s[theirs_key] for i, s in opt['state'].items()})
+    theirs = moments[ours_key] = case.torch_named(
+        {names[i]: s[theirs_key] for i, s in opt['state'].items()})
     ours = optax.tree_utils.tree_get(state, ours_key)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(ours),
                                  jax.tree.leaves(theirs)):
@@ -175,20 +190,20 @@ def test_one_adam_step_matches_the_original(case):
 
   expected = procap_stage1.encoder_params(
       torch_files.state_dict(str(FIXTURES / f'stage1_{case.size}_step1.pt')), case.kwargs)
-  lr, width = float(case.io['lr']), case.kwargs['width']
+  lr = float(case.io['lr'])
   for path, got in jax.tree_util.tree_leaves_with_path(after):
     keys = tuple(k.key for k in path)
     want, before, got = _at(expected, keys), _at(case.params, keys), np.asarray(got)
     assert np.abs(got - want).max() <= STEP_TOL, keys
     # Sharper than STEP_TOL (an update is only ~lr): the update agrees to two rounding units of
-    # the parameter plus a hundredth of the lr. Not for the key bias: its true gradient is 0
-    # (softmax ignores a constant added to a row's scores), so Adam's first step turns both
-    # sides' rounding noise (~1e-9) into +-lr at random.
+    # the parameter plus a hundredth of the lr wherever the gradient is at least 1e-3 of its
+    # leaf's largest. Smaller ones are within both sides' gradient rounding (up to 3e-5 of the
+    # leaf's largest at paper size; the key bias's true gradient is 0), which Adam's first
+    # step, ~ lr * sign(g), turns into +-lr at random.
+    mu = np.abs(_at(moments['mu'], keys))
+    resolved = mu >= 1e-3 * mu.max()
     slack = 2 * np.spacing(np.maximum(np.abs(before), np.abs(want))) + 0.01 * lr
-    close = np.abs(got - want) <= slack
-    if keys[1:] == ('attn', 'in_proj', 'bias'):
-      close[width:2 * width] = True
-    assert close.all(), keys
+    assert (np.abs(got - want)[resolved] <= slack[resolved]).all(), keys
 
 
 def _at(tree, keys):

@@ -33,7 +33,8 @@ Files, `<prefix>` = stage1_small (committed, ~1.4 MB in all) or stage1_paper:
   <prefix>_io.npz          inputs (text, features, features_neg, codes, mask [True = masked],
                            fully_masked), outputs (frame_logits, rel_pos, rel_neg, vid_pos,
                            vid_neg, loss_msm, loss_align, loss_csy, loss), lr and grad_norm of
-                           the step, the trainable parameter names in optimizer order, sizes.
+                           the step, lr_schedule (the lr of updates 0..11), the trainable
+                           parameter names in optimizer order, sizes.
 
 Stand-ins (the original's modules need torchvision, imageio and dominate, absent here): inert
 modules for their imports; only RandomErasing does anything (see above). Small size only:
@@ -53,6 +54,7 @@ import types
 
 import numpy as np
 
+SCHEDULE_UPDATES = 12  # the first lrs of the original's schedule, recorded for the test
 SIZES = {
     # width 40 with 4 heads (head dim 10), 2 of the archive's 3 blocks, grid 3x3 (N = 9).
     'small': dict(width=40, depth=2, heads=4, clip_layers=3, clip_patch=4, clip_resolution=16,
@@ -66,18 +68,10 @@ SIZES = {
 
 
 class _Inert:
-  """Anything from a stubbed module: callable, subscriptable, attribute-rich, does nothing."""
+  """Any name imported from a stubbed module (never used on the paths run here)."""
 
   def __init__(self, *args, **kwargs):
     del args, kwargs
-
-  def __call__(self, *args, **kwargs):
-    return _Inert()
-
-  def __getattr__(self, name):
-    if name.startswith('__'):
-      raise AttributeError(name)
-    return _Inert()
 
 
 class _StubModule(types.ModuleType):
@@ -103,32 +97,21 @@ def _install_stubs():
   for name in ('torchvision', 'torchvision.transforms', 'torchvision.io', 'torchvision.utils',
                'imageio', 'dominate', 'dominate.tags'):
     sys.modules[name] = _StubModule(name)
-  sys.modules['torchvision'].transforms = sys.modules['torchvision.transforms']
-  sys.modules['torchvision'].io = sys.modules['torchvision.io']
-  sys.modules['torchvision'].utils = sys.modules['torchvision.utils']
-  sys.modules['dominate'].tags = sys.modules['dominate.tags']
+    parent, _, child = name.rpartition('.')
+    if parent:
+      setattr(sys.modules[parent], child, sys.modules[name])
   sys.modules['torchvision.transforms'].RandomErasing = KeepMasks
 
 
-class _PinnedRandom:
-  """numpy.random for dalle_beit: the mask-strategy draw returns the pinned strategies."""
+class _PinnedNumpy:
+  """numpy for dalle_beit: `np.random.choice` of a mask strategy returns the pinned ones."""
 
   def __init__(self, strategies):
-    self.strategies = strategies
-
-  def choice(self, a, *args, **kwargs):
-    if list(a) == [1, 2, 3, 4] and self.strategies:
-      return self.strategies.pop(0)
-    return np.random.choice(a, *args, **kwargs)
-
-  def __getattr__(self, name):
-    return getattr(np.random, name)
-
-
-class _NumpyProxy:
-
-  def __init__(self, random):
-    self.random = random
+    def choice(a, *args, **kwargs):
+      if list(a) == [1, 2, 3, 4] and strategies:
+        return strategies.pop(0)
+      return np.random.choice(a, *args, **kwargs)
+    self.random = types.SimpleNamespace(choice=choice)
 
   def __getattr__(self, name):
     return getattr(np, name)
@@ -184,25 +167,15 @@ def _fake_vae(torch, nn, features_table, codes_table, size):
       ids = x[:, 0, 0, 0].round().long()
       return features_table[ids].permute(0, 3, 1, 2)
 
-  class Quantize(nn.Module):
-
-    def __init__(self):
-      super().__init__()
-      self.e_dim = s['feature_dim']
-      self.embedding = nn.Embedding(s['codebook'], s['feature_dim'])
-
-  class Model(nn.Module):
-
-    def __init__(self):
-      super().__init__()
-      self.encoder = Encoder()
-      self.quantize = Quantize()
-
   class FakeVAE(nn.Module):
 
     def __init__(self):
       super().__init__()
-      self.model = Model()
+      self.model = nn.Module()  # .encoder and .quantize (e_dim, a codebook) as in taming
+      self.model.encoder = Encoder()
+      self.model.quantize = nn.Module()
+      self.model.quantize.e_dim = s['feature_dim']
+      self.model.quantize.embedding = nn.Embedding(s['codebook'], s['feature_dim'])
       self.num_layers = 4
       self.image_size = s['grid'] * 2 ** self.num_layers
       self.num_tokens = s['codebook']
@@ -297,6 +270,17 @@ def _check_fp32_loading(torch, clip_model, s, tmp):
         f'max |loaded - fp16(file)| = {worst_half:g}')
 
 
+def _schedule(torch, lr_schedules, args, updates):
+  """The lr of updates 0..updates-1 in train_stage1.py (scheduler stepped after each)."""
+  opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+  scheduler = lr_schedules.WarmupLR(opt, 1e-6, args.learning_rate, args.lr_scheduler_warmup)
+  out = []
+  for _ in range(updates):
+    out.append(opt.param_groups[0]['lr'])
+    scheduler.step()
+  return np.asarray(out)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--original', required=True, help='the ProCap checkout (read only)')
@@ -366,6 +350,7 @@ def main():
   opt = utils_train.get_optimizer(args, trainable)
   scheduler = lr_schedules.WarmupLR(opt, 1e-6, args.learning_rate, args.lr_scheduler_warmup)
   del scheduler  # constructing it sets the first lr; stepped only after the update
+  lr_schedule = _schedule(torch, lr_schedules, args, SCHEDULE_UPDATES)
   hparams = dalle_params  # what train_stage1.py stores (sizes of vae/heads are not in it)
   torch.save({'iter': 0, 'hparams': hparams, 'vae_params': None,
               'weights': model.state_dict(), 'optimizer': opt.state_dict()},
@@ -375,7 +360,7 @@ def main():
   keep = torch.from_numpy(~x['mask'].reshape(b, t, n))
   strategies = [2 if fm else 3 for fm in x['fully_masked']]
   KeepMasks.queue = [keep[i].float() for i in range(b) if not x['fully_masked'][i]]
-  dalle_beit.np = _NumpyProxy(_PinnedRandom(strategies))
+  dalle_beit.np = _PinnedNumpy(strategies)
   neg_ids = torch.arange(b * t, 2 * b * t).reshape(b, t)
   dalle_beit.warp = lambda frames, probs: _id_images(torch, neg_ids, vae.image_size)
   captured = {'to_logits': [], 'to_logits_rel': [], 'to_logits_vid': []}
@@ -415,7 +400,8 @@ def main():
       rel_pos=rel_pos.reshape(b).numpy(), rel_neg=rel_neg.reshape(b).numpy(),
       vid_pos=vid_pos.reshape(b).numpy(), vid_neg=vid_neg.reshape(b).numpy(),
       loss_msm=loss_msm.item(), loss_align=loss_rel.item(), loss_csy=loss_vid.item(),
-      loss=loss.item(), lr=lr, grad_norm=grad_norm.item(), param_names=np.asarray(names),
+      loss=loss.item(), lr=lr, lr_schedule=lr_schedule, grad_norm=grad_norm.item(),
+      param_names=np.asarray(names),
       loss_weights=np.asarray([args.beta_msm, args.beta_rel, args.beta_vid]),
       width=s['width'], depth=s['depth'], heads=heads, text_len=s['text_len'],
       text_vocab_size=s['text_vocab'], num_frames=t, grid=s['grid'],
