@@ -63,7 +63,8 @@ _WRITE_CALL = re.compile(r"open\([^)]*['\"](w|a|x)b?['\"]|\.savefig\(|\.save\(|j
                          r"np\.save|\.write_bytes\(|\.write_text\(")
 _EXPLAINED = (
     re.compile(r'\((tmp|buf)\b'),            # inside errors.atomic_path, or to memory
-    re.compile(r'\.save\(step'),             # orbax (a temporary directory, then a rename)
+    re.compile(r'\.save\((step|0,)'),        # orbax (a temporary directory, then a rename)
+    re.compile(r"^\s*'.*torch\.save\("),     # a message naming torch.save, not a write
     re.compile(r'[Vv]ocab.*\.save\(|^\s*min_word_count=.*\.save\('),  # Vocab.save is atomic
 )
 _DIRECT_WRITES = {  # the only writes that are not atomic, and why that is safe
