@@ -9,7 +9,7 @@ fault (entry point, fault, result observed) on the test's report. This command r
 pytest in this process (the repository's pytest settings: two workers), with
 tests/images_test.py, whose decoding tests the image row names, keeps the rows of the tests
 that passed and writes the table, sorted by entry point, atomically. Tests that failed are named
-above the table (their rows are missing) and the exit status is pytest's. About 12 minutes on
+above the table (their rows are missing) and the exit status is pytest's. About 8 minutes on
 two CPU cores. Prints one JSON line: {rows, failed, seconds, out}.
 """
 
@@ -51,7 +51,7 @@ def table(rows: Sequence[dict], failed: Sequence[str]) -> str:
       '# Reliability: faults tried and what happened',
       '',
       'Written by a command that runs the reliability tests (tests/reliability_*_test.py, which',
-      'assert what each fault does); do not edit by hand. Regenerate with (about 12 minutes):',
+      'assert what each fault does); do not edit by hand. Regenerate with (about 8 minutes):',
       '',
       '```bash',
       COMMAND,
