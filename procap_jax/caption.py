@@ -2,40 +2,60 @@ r"""Caption your own image pairs with a trained run.
 
   python -m procap_jax.caption --workdir W before.png after.png
   python -m procap_jax.caption --workdir W --csv pairs.csv            # columns before,after
-  python -m procap_jax.caption --workdir W --before_dir A --after_dir B   # same file names
+  python -m procap_jax.caption --workdir W --before_dir A --after_dir B
 
-Images may be any size, format or mode PIL reads (grayscale, RGBA, palette, JPEG ...); they are
-converted to RGB at the run's image size. Prints one line per pair: `<before>\t<after>\t<caption>`.
-Stage 2 needs no interpolation: only the before and after images reach the model.
-`--out F.json` also writes the captions (atomically) as a JSON list.
+Prints one line per pair, `<before>\t<after>\t<caption>`, as soon as its batch is captioned;
+`--out F.json` also writes them (atomically) as a JSON list. The workdir (a run with a
+config.json, a caption checkpoint and a tokenizer checkpoint) is checked first, then the pairs,
+then every image is read, and only then is the model loaded: a mistake anywhere is one sentence
+on stderr and exit status 2, before the slow part.
+
+Pairing `--before_dir A --after_dir B`: the same file names in both folders pair by name;
+otherwise files pair by the number in their names (the last run of digits, ignoring a final
+`_2`-style suffix), so CLEVR-Change's `images/CLEVR_default_000123.png` pairs with
+`sc_images/CLEVR_semantic_000123.png` and Spot-the-Diff's `12.png` with `12_2.png` (also when
+both are in the same folder, as its `resized_images/`). A file without a partner, or a number
+two files share, stops the command and names them; `procap_jax.data.pairing` has the rules.
+
+Images may be any size, format or mode PIL reads; they are converted to RGB and resized to the
+run's image size as the dataset builders do. A conversion that changes the image (16-bit,
+grayscale, palette, transparency) or an image too small to show much gets one notice line on
+stderr, e.g. `before.png: 16-bit grayscale, converted to 8-bit RGB`. Stage 2 needs no
+interpolation: only the before and after images reach the model.
+
+From Python, `Captioner` keeps the model loaded for many pairs:
+
+  from procap_jax import caption
+  captioner = caption.Captioner('workdir/synthetic')
+  print(captioner('before.png', 'after.png'))           # paths, PIL images or uint8 arrays
+  captions = captioner.caption_batch(befores, afters)   # lists of the same
+
+This module imports no training code (no optax, grain, TFDS or task modules): JAX, flax, orbax
+and the model definitions only, and those only once the inputs are checked. The first start
+compiles the model; XLA's compilation cache, kept in `W/caption/xla_cache` when the workdir is
+writable, makes later starts skip most of that.
 """
 
 import argparse
-import csv
 import json
 import os
 import sys
+from typing import Any, Callable, Sequence
 
 import ml_collections
 import numpy as np
 
+from procap_jax import config_lib
 from procap_jax import errors
+from procap_jax.data import images
+from procap_jax.data import pairing
 
-_IMAGE_EXTS = ('.png', '.jpg', '.jpeg', '.bmp', '.gif', '.tif', '.tiff', '.webp')
+ImageInput = Any  # a path (str / os.PathLike), encoded bytes, a PIL image or a uint8 array
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in `workdir/config.json`."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise errors.UserError(f'{workdir} is not a procap-jax run (no config.json); pass the '
-                           '--workdir of a finished training run')
-  raw = errors.read_json(path, 'run config', 'pass the --workdir of a finished training run',
-                         'the run directory is damaged')
-  if not isinstance(raw, dict) or not isinstance(raw.get('data'), dict):
-    raise errors.UserError(f'{path} is not a procap-jax run config (no "data" section); pass the '
-                           '--workdir of a finished training run')
-  return ml_collections.ConfigDict(_tuples(raw))
+  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run)."""
+  return ml_collections.ConfigDict(_tuples(config_lib.read_saved_config(workdir)))
 
 
 def _tuples(x):
@@ -46,105 +66,240 @@ def _tuples(x):
   return x
 
 
-def pairs_from_args(args) -> list[tuple[str, str]]:
-  """The (before, after) paths the command line names, checked to exist."""
-  pairs: list[tuple[str, str]] = []
+def vocab_path(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """The run's caption vocabulary file, found without opening the dataset (no TFDS import):
+  `config.data.word2idx_file`, else the one `word2idx.json` under `<data_dir>/<name>/<config>/`.
+  """
+  if config.data.word2idx_file:
+    path = config.data.word2idx_file
+  else:
+    base = os.path.join(config.data.data_dir or os.path.join(workdir, 'data'), config.data.name,
+                        config.data.builder_config)
+    found = sorted(os.path.join(base, v, 'word2idx.json') for v in
+                   (os.listdir(base) if os.path.isdir(base) else ())
+                   if os.path.isfile(os.path.join(base, v, 'word2idx.json')))
+    if len(found) > 1:  # several dataset versions: the builder knows which one the run read
+      from procap_jax.data import pipeline
+      return os.path.join(pipeline.dataset_dir(config, workdir), 'word2idx.json')
+    path = found[0] if found else os.path.join(base, '<version>', 'word2idx.json')
+  if not os.path.isfile(path):
+    raise errors.UserError(
+        f"the run's caption vocabulary {path} does not exist (it is written next to the "
+        'dataset the run was trained on); keep that dataset, or set data.word2idx_file in '
+        f'{os.path.join(workdir, "config.json")} to the vocabulary file')
+  return path
+
+
+def check_run(workdir: str, which: str = 'best') -> ml_collections.ConfigDict:
+  """The run's config, once `workdir` is checked to hold what captioning needs (a config.json,
+  caption and tokenizer checkpoints, the vocabulary); UserError naming the first thing missing.
+  """
+  config_lib.check_run(workdir, which)
+  config = load_run_config(workdir)
+  vocab_path(config, workdir)
+  return config
+
+
+def _build_model(config: ml_collections.ConfigDict):
+  """`tasks.caption.build_model` without the training modules it imports (a test checks the
+  two give equal modules)."""
+  import jax.numpy as jnp
+  from procap_jax.models import captioner as captioner_lib
+  from procap_jax.models import decoder as decoder_lib
+  from procap_jax.models import procedure_encoder
+  m = config.caption.model
+  enc = config.pretrain.model.to_dict()
+  enc['grid'] = tuple(enc['grid'])
+  k = enc['num_frames'] - 2
+  if not m.use_queries:
+    enc['num_frames'] = 2
+  dtype = jnp.dtype(config.compute_dtype)
+  encoder = procedure_encoder.ProcedureEncoder(**enc, dtype=dtype)
+  decoder = decoder_lib.CaptionDecoder(
+      vocab_size=m.vocab_size, hidden=m.hidden, heads=m.heads, ffn=m.ffn, layers=m.layers,
+      dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
+      qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
+  return captioner_lib.Captioner(encoder=encoder, decoder=decoder, num_queries=k,
+                                 use_queries=m.use_queries, text_slot=m.text_slot,
+                                 stage2_mask=m.stage2_mask, dtype=dtype)
+
+
+def _use_compilation_cache(directory: str) -> None:
+  """XLA's persistent compilation cache in `directory`, unless one is set or it is read-only."""
+  import jax
+  if jax.config.jax_compilation_cache_dir:
+    return  # the caller's (e.g. the test session's)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError:
+    return
+  if os.access(directory, os.W_OK):
+    jax.config.update('jax_compilation_cache_dir', directory)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+class Captioner:
+  """A trained run's caption model, loaded once, for many pairs.
+
+  Example:
+    captioner = Captioner('workdir/synthetic')
+    captioner('before.png', 'after.png')        # -> 'the small red cube has been moved'
+    captioner.caption_batch(['b1.png', b2_array], ['a1.png', a2_pil_image])   # -> [str, str]
+
+  Images are paths, encoded bytes, PIL images (any mode) or uint8 arrays ([H, W, 3] RGB,
+  [H, W] grey, [H, W, 4] RGBA) of any size; they are converted and resized as the caption
+  command does. Batches are padded to a power of two up to `batch_size`, so at most
+  log2(batch_size) + 1 shapes are ever compiled.
+  """
+
+  def __init__(self, workdir: str, which: str = 'best', *, batch_size: int = 16,
+               notify: Callable[[str], None] | None = None, compilation_cache: bool = True):
+    """Checks `workdir` (UserError naming what is missing) and restores its caption model.
+
+    Args:
+      workdir: a finished training run.
+      which: 'best' (on validation; else the latest) or 'latest' caption checkpoint.
+      batch_size: most pairs decoded in one call.
+      notify: called with a line for each image converted or too small (None: silent).
+      compilation_cache: keep XLA's compiled programs in `workdir/caption/xla_cache` (when
+        no cache is configured yet and the folder is writable; sets JAX's global cache
+        options), so the next start need not compile again.
+    """
+    self.config = check_run(workdir, which)
+    self.workdir, self.batch_size, self.notify = workdir, int(batch_size), notify
+    if compilation_cache:
+      _use_compilation_cache(os.path.join(workdir, 'caption', 'xla_cache'))
+    import jax
+    from procap_jax import checkpointing
+    from procap_jax.data import vocab as vocab_lib
+    from procap_jax.models import captioner as captioner_lib
+    from procap_jax.models import vqgan
+    self.vocab = vocab_lib.Vocab.load(vocab_path(self.config, workdir))
+    if self.vocab.size != self.config.caption.model.vocab_size:
+      raise errors.UserError(
+          f'the vocabulary {vocab_path(self.config, workdir)} has {self.vocab.size} words but '
+          f'the run was trained with {self.config.caption.model.vocab_size}; restore the '
+          'vocabulary file the run was trained with')
+    meta = checkpointing.read_meta(workdir, 'caption', which)
+    if meta:
+      checkpointing.check_config_compatible(meta.get('config'), self.config, 'caption')
+    restored = checkpointing.load_stage_variables(workdir, 'caption', which)
+    self.step = int(restored['step'])
+    params = restored['params']
+    tokenizer_params = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
+    model = _build_model(self.config)
+    tokenizer = vqgan.frozen(self.config.tokenizer.model)
+    d = self.config.caption.decoding
+    settings = dict(method=d.method, beam_size=int(d.beam_size), alpha=float(d.alpha),
+                    max_len=int(self.config.caption.model.max_len))
+
+    def caption_ids(params, tokenizer_params, before, after):  # uint8 [B, S, S, 3] -> [B, L]
+      n = before.shape[0]
+      x = jax.numpy.concatenate([before, after]).astype(jax.numpy.float32) / 255.0
+      feats = tokenizer.encode_features(tokenizer_params, x)  # [2B, h, w, C]
+      return captioner_lib.generate(model, params, feats[:n], feats[n:], **settings)
+
+    self._ids = jax.jit(caption_ids)
+    self._params = jax.device_put((params, tokenizer_params))
+
+  @property
+  def image_size(self) -> int:
+    return int(self.config.data.image_size)
+
+  def image(self, x: ImageInput, name: str | None = None) -> np.ndarray:
+    """One input as the model's uint8 [S, S, 3] (UserError for a bad file or array)."""
+    size = self.image_size
+    if isinstance(x, (str, os.PathLike, bytes, bytearray, memoryview)):
+      return images.load_image(x, size, name=name, notify=self.notify)
+    return images.from_image(x, size, name=name or 'image', notify=self.notify)
+
+  def caption_batch(self, befores: Sequence[ImageInput],
+                    afters: Sequence[ImageInput]) -> list[str]:
+    """Captions pairs (befores[i], afters[i]); inputs as `image` takes them."""
+    if len(befores) != len(afters):
+      raise ValueError(f'{len(befores)} before images but {len(afters)} after images')
+    out = []
+    for i in range(0, len(befores), self.batch_size):
+      b = np.stack([self.image(x) for x in befores[i:i + self.batch_size]])
+      a = np.stack([self.image(x) for x in afters[i:i + self.batch_size]])
+      n = len(b)
+      padded = min(self.batch_size, 1 << (n - 1).bit_length())  # one of few compiled shapes
+      if padded > n:
+        b = np.concatenate([b, np.repeat(b[:1], padded - n, 0)])
+        a = np.concatenate([a, np.repeat(a[:1], padded - n, 0)])
+      ids = np.asarray(self._ids(*self._params, b, a))
+      out += [self.vocab.decode(row) for row in ids[:n]]
+    return out
+
+  def __call__(self, before: ImageInput, after: ImageInput) -> str:
+    """The caption of one pair."""
+    return self.caption_batch([before], [after])[0]
+
+
+def pairs_from_args(args) -> tuple[list[tuple[str, str]], str]:
+  """The (before, after) paths the command line names, and how they were paired."""
   if args.csv:
-    if not os.path.isfile(args.csv):
-      raise errors.UserError(f'CSV file {args.csv} does not exist or is not a file')
-    try:
-      with open(args.csv, newline='', encoding='utf-8') as f:
-        rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
-    except UnicodeDecodeError as e:
-      raise errors.UserError(f'CSV file {args.csv} is not UTF-8 text (bad byte at offset '
-                             f'{e.start}); save it as UTF-8') from None
-    except (OSError, csv.Error) as e:
-      raise errors.UserError(f'cannot read CSV file {args.csv} ({e}); check the file') from None
-    if rows and [c.strip().lower() for c in rows[0][:2]] == ['before', 'after']:
-      rows = rows[1:]
-    base = os.path.dirname(os.path.abspath(args.csv))
-    for n, row in enumerate(rows, 1):
-      if len(row) < 2:
-        raise errors.UserError(f'{args.csv} row {n} has {len(row)} column(s); each row needs '
-                               'before,after')
-      b, a = (c.strip() for c in row[:2])
-      pairs.append((os.path.join(base, b), os.path.join(base, a)))
+    pairs, rule = pairing.pairs_from_csv(args.csv), 'as listed in the CSV file'
   elif args.before_dir or args.after_dir:
     if not (args.before_dir and args.after_dir):
       raise errors.UserError('--before_dir and --after_dir go together')
-    for d in (args.before_dir, args.after_dir):
-      if not os.path.isdir(d):
-        raise errors.UserError(f'{d} is not a directory')
-    names_b = {n for n in os.listdir(args.before_dir) if n.lower().endswith(_IMAGE_EXTS)}
-    names_a = {n for n in os.listdir(args.after_dir) if n.lower().endswith(_IMAGE_EXTS)}
-    if names_b != names_a:
-      only = sorted(names_b ^ names_a)[:5]
-      raise errors.UserError(f'the two folders must hold the same file names; unmatched: '
-                             f'{", ".join(only)}')
-    pairs = [(os.path.join(args.before_dir, n), os.path.join(args.after_dir, n))
-             for n in sorted(names_b)]
+    pairs, rule = pairing.pair_folders(args.before_dir, args.after_dir)
   else:
     if len(args.images) != 2:
       raise errors.UserError('give exactly two images (before after), or --csv, or '
                              '--before_dir/--after_dir')
-    pairs = [(args.images[0], args.images[1])]
+    pairs, rule = [(args.images[0], args.images[1])], 'as given'
   if not pairs:
     raise errors.UserError('no image pairs found')
-  return pairs
+  return pairs, rule
 
 
-class Captioner:
-  """A trained run's caption checkpoint, ready to caption uint8 pairs."""
+def _notice(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
-  def __init__(self, workdir: str, which: str = 'best'):
-    from procap_jax import stages
-    from procap_jax.data import pipeline
-    self.config = load_run_config(workdir)
-    self.vocab = pipeline.load_vocab(self.config, workdir)
-    _, self.model, self.state, self.constants, self.step = stages.restore_for_eval(
-        self.config, workdir, 'caption', which)
 
-  def __call__(self, befores: list[np.ndarray], afters: list[np.ndarray],
-               batch_size: int = 32) -> list[str]:
-    from procap_jax.tasks import caption as caption_task
-    from procap_jax.data import pipeline
-    size = self.config.data.image_size
-    out = []
-    for i in range(0, len(befores), batch_size):
-      b = np.stack([pipeline.resize(x, size) for x in befores[i:i + batch_size]])
-      a = np.stack([pipeline.resize(x, size) for x in afters[i:i + batch_size]])
-      n = len(b)
-      if n < batch_size and len(befores) > batch_size:  # keep one compiled shape
-        b = np.concatenate([b, np.repeat(b[:1], batch_size - n, 0)])
-        a = np.concatenate([a, np.repeat(a[:1], batch_size - n, 0)])
-      ids = caption_task.generate(self.state.params, self.constants, self.config, self.model, b, a)
-      out += [self.vocab.decode(row) for row in np.asarray(ids)[:n]]
-    return out
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog='python -m procap_jax.caption',
+      description='Caption your own before/after image pairs with a trained run.',
+      epilog='--before_dir/--after_dir pairing: the same file names pair by name; otherwise '
+      'files pair by the number in their names (the last run of digits, ignoring a final _2: '
+      'CLEVR_default_000123.png with CLEVR_semantic_000123.png, 12.png with 12_2.png; the same '
+      'folder twice pairs <name> with <name>_2). A file without a partner, or a number two '
+      'files share, is an error: list such pairs in a --csv file.')
+  parser.add_argument('images', nargs='*', help='before.png after.png')
+  parser.add_argument('--workdir', required=True, help='a finished training run')
+  parser.add_argument('--csv', help='CSV with columns before,after (paths relative to the CSV)')
+  parser.add_argument('--before_dir', help='folder of before images (see pairing below)')
+  parser.add_argument('--after_dir', help='folder of after images')
+  parser.add_argument('--which', default='best', choices=('best', 'latest'))
+  parser.add_argument('--batch_size', type=int, default=16, help='pairs decoded at once')
+  parser.add_argument('--out', help='also write the captions as JSON here')
+  return parser
 
 
 @errors.exit_on_user_error
 def main(argv: list[str] | None = None) -> list[str]:
-  parser = argparse.ArgumentParser(prog='python -m procap_jax.caption',
-                                   description='Caption your own before/after image pairs.')
-  parser.add_argument('images', nargs='*', help='before.png after.png')
-  parser.add_argument('--workdir', required=True, help='a finished training run')
-  parser.add_argument('--csv', help='CSV with columns before,after (paths relative to the CSV)')
-  parser.add_argument('--before_dir')
-  parser.add_argument('--after_dir')
-  parser.add_argument('--which', default='best', choices=('best', 'latest'))
-  parser.add_argument('--out', help='also write the captions as JSON here')
-  args = parser.parse_args(argv)
-  from procap_jax.data import images
-  pairs = pairs_from_args(args)
-  load_run_config(args.workdir)  # a wrong --workdir fails before any image is read
-  befores, afters = [], []
-  for b, a in pairs:  # every bad image fails before the (slower) checkpoint restore
-    befores.append(images.load_image(b))
-    afters.append(images.load_image(a))
-  captioner = Captioner(args.workdir, args.which)
-  captions = captioner(befores, afters)
-  for (b, a), c in zip(pairs, captions):
-    print(f'{b}\t{a}\t{c}', flush=True)
+  args = _parser().parse_args(argv)
+  if args.batch_size < 1:
+    raise errors.UserError(f'--batch_size must be positive, got {args.batch_size}')
+  config = check_run(args.workdir, args.which)  # the run first: a wrong --workdir fails at once
+  pairs, rule = pairs_from_args(args)
+  if len(pairs) > 1:
+    _notice(f'{len(pairs)} pairs, paired {rule}')
+  size = int(config.data.image_size)
+  loaded = []  # every bad image fails before the (slower) model restore
+  for b, a in pairs:
+    loaded.append((images.load_image(b, size, notify=_notice),
+                   images.load_image(a, size, notify=_notice)))
+  captioner = Captioner(args.workdir, args.which, batch_size=args.batch_size)
+  captions = []
+  for i in range(0, len(pairs), args.batch_size):
+    chunk = loaded[i:i + args.batch_size]
+    for (b, a), c in zip(pairs[i:i + args.batch_size],
+                         captioner.caption_batch([x for x, _ in chunk], [y for _, y in chunk])):
+      print(f'{b}\t{a}\t{c}', flush=True)
+      captions.append(c)
   if args.out:
     errors.write_text_atomic(args.out, json.dumps(
         [{'before': b, 'after': a, 'caption': c} for (b, a), c in zip(pairs, captions)], indent=1))

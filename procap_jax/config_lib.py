@@ -99,6 +99,47 @@ def check_encoder_text(config: ml_collections.ConfigDict) -> None:
         "or 0, or use encoder_text 'words'")
 
 
+# Vocabulary sizes a config leaves at 0 until the run fills them from its dataset's vocabulary
+# (`pipeline.resolve_vocab_sizes`); a saved config.json holds the filled values.
+_FILLED_LATER = (('pretrain', 'text_vocab_size'), ('caption', 'vocab_size'))
+
+
+def workdir_differences(saved: dict, current: dict) -> list[str]:
+  """The model/data entries (`data.<key>`, `<stage>.model`) in which two configs differ.
+
+  Args:
+    saved: a run's config.json.
+    current: a config as JSON (`json.loads(config.to_json_best_effort())`); vocabulary sizes
+      it leaves at 0 (not filled from the dataset yet) are taken as the saved ones.
+  """
+  diffs = []
+  for section in ('data', 'tokenizer', 'pretrain', 'caption'):
+    for key in ('model',) if section != 'data' else _WORKDIR_DATA_KEYS:
+      earlier = _WORKDIR_DATA_KEYS[key] if section == 'data' else None
+      a = (saved.get(section) or {}).get(key, earlier)
+      b = current[section][key]
+      if key == 'model' and isinstance(a, dict):
+        b = dict(b)
+        for stage, size in _FILLED_LATER:
+          if stage == section and not b.get(size) and size in a:
+            b[size] = a[size]
+      if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+        diffs.append(f'{section}.{key}')
+  return diffs
+
+
+def _another_config(workdir: str, diffs: list[str], saved: dict | None = None,
+                    fix: str = 'use a new --workdir or the config it was made with'
+                    ) -> errors.UserError:
+  made_with = ''
+  if isinstance(saved, dict) and saved.get('preset'):
+    variant = f',{saved["variant"]}' if saved.get('variant') else ''
+    made_with = f' (config.json says preset :{saved["preset"]}{variant})'
+  return errors.UserError(
+      f'workdir {workdir} holds a run made with another config (differs in '
+      f'{", ".join(diffs)}); {fix}{made_with}')
+
+
 def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses a workdir whose saved config has another model/data setup; saves it otherwise."""
   path = os.path.join(workdir, 'config.json')
@@ -109,21 +150,125 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
         saved = json.load(f)
     except (OSError, json.JSONDecodeError):
       saved = None
-    if saved is not None:
-      diffs = []
-      for section in ('data', 'tokenizer', 'pretrain', 'caption'):
-        for key in ('model',) if section != 'data' else _WORKDIR_DATA_KEYS:
-          earlier = _WORKDIR_DATA_KEYS[key] if section == 'data' else None
-          a = (saved.get(section) or {}).get(key, earlier)
-          b = current[section][key]
-          if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
-            diffs.append(f'{section}.{key}')
+    if isinstance(saved, dict):
+      diffs = workdir_differences(saved, current)
       if diffs:
-        raise errors.UserError(
-            f'workdir {workdir} holds a run made with another config (differs in '
-            f'{", ".join(diffs)}); use a new --workdir or the config it was made with')
+        raise _another_config(workdir, diffs, saved)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise errors.UserError(f'cannot create workdir {workdir}: {e.strerror}') from None
   errors.write_text_atomic(path, json.dumps(current, indent=1, sort_keys=True))
+
+
+def _check_same_setup(config: ml_collections.ConfigDict, workdir: str, saved: dict,
+                      fix: str) -> None:
+  diffs = workdir_differences(saved, json.loads(config.to_json_best_effort()))
+  if diffs:
+    raise _another_config(workdir, diffs, saved, fix)
+
+
+def check_saved_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """`check_workdir`'s refusal alone (nothing written), for before the dataset is built: a run
+  of another model/data setup in `workdir` is refused at once, not after a build. Vocabulary
+  sizes still 0 in `config` are not compared."""
+  path = os.path.join(workdir, 'config.json')
+  try:
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return  # no run yet (or an unreadable file, which check_workdir replaces)
+  if isinstance(saved, dict):
+    _check_same_setup(config, workdir, saved,
+                      'use a new --workdir or the config it was made with')
+
+
+# ------------------------------------------------------------------ checks of a finished run
+# `main --mode evaluate` and `procap_jax.caption` make them first, before any slow import, data
+# build or checkpoint restore. They read files only (no JAX, no orbax, no TFDS).
+
+_RUN_HINT = 'pass the --workdir of a finished training run'
+EVAL_SPLITS = ('train', 'val', 'test')
+
+
+def read_saved_config(workdir: str) -> dict:
+  """The config a run saved in `workdir/config.json`, as JSON.
+
+  Raises:
+    UserError: `workdir` does not exist, is not a directory, has no readable config.json, or
+      that file is not a run's config.
+  """
+  if not os.path.exists(workdir):
+    raise errors.UserError(f'workdir {workdir} does not exist; {_RUN_HINT}')
+  if not os.path.isdir(workdir):
+    raise errors.UserError(f'workdir {workdir} is a file, not a directory; {_RUN_HINT}')
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise errors.UserError(f'{workdir} is not a procap-jax run (no config.json); {_RUN_HINT}')
+  raw = errors.read_json(path, 'run config', _RUN_HINT, 'the run directory is damaged')
+  missing = [s for s in ('data',) + STAGES if not isinstance(raw, dict) or
+             not isinstance(raw.get(s), dict)]
+  if missing:
+    raise errors.UserError(f'{path} is not a procap-jax run config (no "{missing[0]}" section); '
+                           f'{_RUN_HINT}')
+  return raw
+
+
+def checkpoint_dir(workdir: str, stage: str, which: str = 'best') -> str | None:
+  """The folder `checkpointing.load_stage_variables` restores `stage` from, or None.
+
+  The same rule as `checkpointing` (`best/` then `checkpoints/` for 'best', `checkpoints/` for
+  'latest'; a folder counts when it holds a complete checkpoint, a step-number folder: orbax
+  writes into a temporary folder and renames it), without importing orbax.
+  """
+  order = {'best': ('best', 'checkpoints'), 'latest': ('checkpoints',)}[which]
+  for sub in order:
+    d = os.path.join(workdir, stage, sub)
+    if os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d)):
+      return d
+  return None
+
+
+def check_run(workdir: str, which: str = 'best',
+              config: ml_collections.ConfigDict | None = None) -> dict:
+  """Checks that `workdir` holds a run that can caption; returns its saved config (JSON).
+
+  Args:
+    workdir: the run's folder.
+    which: the caption checkpoint to use, 'best' (else the latest) or 'latest'.
+    config: when given (`main --mode evaluate`), its model/data sections must be the run's.
+
+  Raises:
+    UserError: one sentence naming the first problem: no such folder, not a run, another
+      config, no caption checkpoint, no tokenizer checkpoint.
+  """
+  saved = read_saved_config(workdir)
+  if config is not None:
+    _check_same_setup(config, workdir, saved,
+                      'pass the --config the run was made with or another --workdir')
+  for stage, pick in (('caption', which), ('tokenizer', 'best')):
+    if checkpoint_dir(workdir, stage, pick) is not None:
+      continue
+    where = os.path.join(workdir, stage)
+    if pick == 'latest' and checkpoint_dir(workdir, stage, 'best') is not None:
+      raise errors.UserError(f'no latest {stage} checkpoint in {where}/checkpoints (only a best '
+                             'one); use --which best')
+    raise errors.UserError(
+        f'no {stage} checkpoint in {where}; finish training this run first (python -m '
+        f'procap_jax.main --config <its config> --workdir {workdir}) or {_RUN_HINT}')
+  return saved
+
+
+def check_dataset_built(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """UserError when the dataset `config` reads is not built (evaluation scores one of its
+  splits, and builds nothing: generating the synthetic `small` benchmark takes 40-60 minutes)."""
+  from procap_jax.data import datasets  # TFDS: a second or two, only when evaluating
+  name, bc = config.data.name, config.data.builder_config
+  ddir = config.data.data_dir or os.path.join(workdir, 'data')
+  if datasets.is_prepared(name, bc, ddir):
+    return
+  how = ('with --mode build (the same --config and --workdir)' if name == 'synthetic_change'
+         else f'with --mode build --config.data.manual_dir=<folder> (see tfds_builders/{name}/'
+         'README.md)')
+  raise errors.UserError(f'the {name}/{bc} dataset this run is evaluated on is not built in '
+                         f'{ddir}; build it first {how}, then evaluate')

@@ -49,9 +49,16 @@ def _maybe_init_distributed() -> None:
 @errors.exit_on_user_error
 def run(config, workdir: str, mode: str = 'train', split: str = 'test',
         which: str = 'best') -> dict:
-  """Does what `mode` says; returns the results dict (tests call this directly)."""
+  """Does what `mode` says; returns the results dict (tests call this directly).
+
+  `evaluate` checks its inputs first and builds nothing (`_evaluate`); `train` and `build`
+  build the dataset when it is missing.
+  """
   from procap_jax import config_lib
   config_lib.validate(config)  # before the slow imports below
+  if mode == 'evaluate':
+    return _evaluate(config, workdir, split, which)
+  config_lib.check_saved_config(config, workdir)  # a run of another setup: before any build
 
   from procap_jax import stages
   from procap_jax.data import pipeline
@@ -65,9 +72,28 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
     stats = stages.dataset_statistics(config, workdir)
     print(json.dumps(stats, indent=1))
     return stats
-  if mode == 'evaluate':
-    return stages.evaluate_caption(config, workdir, split, which)
   return stages.run_all(config, workdir)
+
+
+def _evaluate(config, workdir: str, split: str, which: str) -> dict:
+  """`--mode evaluate`, in this order: the split name, the workdir (a run, made with this
+  config's model/data sections, with caption and tokenizer checkpoints), the dataset (built:
+  evaluation never builds it), then the slow imports, the restore and the scoring. The run's
+  config.json is left as it is."""
+  from procap_jax import config_lib
+  if split not in config_lib.EVAL_SPLITS:
+    raise errors.UserError(f'--split {split} is not a split; choose one of '
+                           f'{", ".join(config_lib.EVAL_SPLITS)}')
+  config_lib.check_run(workdir, which, config)
+  config_lib.check_dataset_built(config, workdir)
+
+  from procap_jax import stages
+  from procap_jax.data import pipeline
+
+  errors.remove_stale_temp_files(workdir)
+  stages.prepare_data(config, workdir)  # the dataset is built: at most its scores file
+  pipeline.resolve_vocab_sizes(config, workdir)
+  return stages.evaluate_caption(config, workdir, split, which)
 
 
 def _config_file_argument(argv: list[str]) -> str | None:

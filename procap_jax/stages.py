@@ -167,6 +167,7 @@ def run_all(config, workdir: str) -> dict:
   if cached is not None:
     print(f'{results_path} is current (same finished stages, decoding and report settings); '
           'not evaluating again', flush=True)
+    print(headline(cached), flush=True)
     return cached
   restored = restore_for_eval(config, workdir, 'caption', 'best')
   results = evaluate_caption(config, workdir, 'test', 'best', restored=restored)
@@ -185,6 +186,21 @@ def run_all(config, workdir: str) -> dict:
                       imagine_fn=imagine_fn if config.caption.model.use_queries else None)
   print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
   return results
+
+
+# The figures README's results table gives, in its order: (key in results['metrics'], name).
+HEADLINE_METRICS = (('Bleu_4', 'BLEU-4'), ('METEOR', 'METEOR'), ('ROUGE_L', 'ROUGE-L'),
+                    ('CIDEr', 'CIDEr'))
+
+
+def headline(results: dict) -> str:
+  """One line of a results dict's headline scores (x 100, as README's table), e.g.
+  `test (best checkpoint, step 20): BLEU-4 12.3, METEOR 15.0, ROUGE-L 30.1, CIDEr 41.2`."""
+  metrics = results.get('metrics') or {}
+  scores = ', '.join(f'{name} {100 * metrics[key]:.1f}' for key, name in HEADLINE_METRICS
+                     if isinstance(metrics.get(key), (int, float)))
+  return (f'{results.get("split")} ({results.get("checkpoint")} checkpoint, step '
+          f'{results.get("checkpoint_step")}): {scores or "no scores"}')
 
 
 def current_results(config, workdir: str) -> dict | None:

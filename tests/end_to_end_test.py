@@ -54,6 +54,10 @@ def test_rerun_skips_finished_stages(finished_run, capsys):
   assert out.count('already finished') == 3
   # Nothing changed, so results.json is returned as it is rather than evaluated again.
   assert 'not evaluating again' in out
+  # ... and says its headline scores again (README: "a finished run prints its results again").
+  m = results['metrics']
+  assert (f'BLEU-4 {100 * m["Bleu_4"]:.1f}, METEOR {100 * m["METEOR"]:.1f}, ROUGE-L '
+          f'{100 * m["ROUGE_L"]:.1f}, CIDEr {100 * m["CIDEr"]:.1f}') in out
   assert again['metrics'] == pytest.approx(results['metrics'])
   # Other decoding or report settings make the results stale: evaluated again, and back.
   other = config.copy_and_resolve_references()
@@ -128,6 +132,52 @@ def test_caption_command_corrupt_image(finished_run, tmp_path, capsys):
     caption.main(['--workdir', workdir, str(tmp_path / 'ok.png'), str(tmp_path / 'bad.png')])
   assert e.value.code == 2
   assert 'bad.png' in capsys.readouterr().err
+
+
+def test_captioner_api_matches_the_evaluation_path(finished_run, tmp_path):
+  """`caption.Captioner` builds the same model as the caption task and decodes the same ids
+  (it does so without importing the task, see the next test)."""
+  from PIL import Image
+  from procap_jax import caption
+  from procap_jax import stages
+  from procap_jax.tasks import caption as caption_task
+  _, workdir, _ = finished_run
+  run_config = caption.load_run_config(workdir)
+  build_model = caption._build_model  # pylint: disable=protected-access
+  assert build_model(run_config) == caption_task.build_model(run_config)
+  captioner = caption.Captioner(workdir, batch_size=4)
+  rng = np.random.default_rng(1)
+  size = captioner.image_size
+  before = rng.integers(0, 256, (5, size, size, 3), dtype=np.uint8)
+  after = rng.integers(0, 256, (5, size, size, 3), dtype=np.uint8)
+  _, model, state, constants, _ = stages.restore_for_eval(run_config, workdir, 'caption', 'best')
+  ids = caption_task.generate(state.params, constants, run_config, model, before, after)
+  expected = [captioner.vocab.decode(row) for row in ids]
+  assert captioner.caption_batch(list(before), list(after)) == expected  # calls of 4 and 1
+  _write_png(tmp_path / 'b.png', before[0])
+  assert captioner(str(tmp_path / 'b.png'), Image.fromarray(after[0])) == expected[0]
+  assert captioner(before[2], after[2]) == expected[2]
+
+
+def test_caption_command_imports_no_training_code(finished_run, tmp_path):
+  import subprocess
+  import sys
+  _, workdir, _ = finished_run
+  _write_png(tmp_path / 'b.png', np.zeros((40, 40, 3), np.uint8))
+  _write_png(tmp_path / 'a.png', np.full((40, 40, 3), 200, np.uint8))
+  training = ('optax', 'grain', 'tensorflow_datasets', 'tensorflow', 'pycocoevalcap', 'cv2',
+              'procap_jax.train', 'procap_jax.stages', 'procap_jax.tasks',
+              'procap_jax.data.pipeline', 'procap_jax.evaluation', 'procap_jax.convert')
+  code = ('import sys\nfrom procap_jax import caption\n'
+          'caption.main(["--workdir", sys.argv[1], sys.argv[2], sys.argv[3]])\n'
+          f'print(sorted(m for m in sys.modules if m.split(".")[0] in {training!r} or '
+          f'any(m.startswith(t) for t in {training!r})))\n')
+  proc = subprocess.run([sys.executable, '-c', code, workdir, str(tmp_path / 'b.png'),
+                         str(tmp_path / 'a.png')], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.strip().splitlines()
+  assert len(lines) == 2 and lines[0].count('\t') == 2, proc.stdout
+  assert lines[1] == '[]', lines[1]
 
 
 def test_caption_command_needs_a_run(tmp_path, capsys):

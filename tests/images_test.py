@@ -150,12 +150,111 @@ def test_missing_empty_directory(tmp_path):
 def test_truncated_and_not_an_image(tmp_path):
   path = tmp_path / 'cut.png'
   path.write_bytes(_PNG[:len(_PNG) // 2])
-  with pytest.raises(errors.UserError, match='cut.png cannot be decoded'):
+  with pytest.raises(errors.UserError, match=r'image \S*cut.png is truncated: a PNG file cut '
+                     f'short after {len(_PNG) // 2} bytes'):
     images.load_image(path)
-  with pytest.raises(errors.UserError, match='cannot be decoded'):
+  with pytest.raises(errors.UserError, match='is truncated: a JPEG file'):
     images.load_image(_JPEG[:len(_JPEG) - 200])
   with pytest.raises(errors.UserError, match='not an image'):
     images.load_image(b'%!PS-Adobe-3.0 EPSF-3.0\n')
+
+
+@pytest.mark.parametrize('data', [_PNG, images.encode_png(_rgb(300, 200))], ids=['small', 'large'])
+def test_first_200_bytes_of_a_png_are_named_truncated(data):
+  with pytest.raises(errors.UserError) as info:
+    images.load_image(data[:200], name='before.png')
+  assert str(info.value).startswith('image before.png is truncated: a PNG file cut short after '
+                                    '200 bytes')
+
+
+def test_first_200_bytes_of_a_real_clevr_png_are_named_truncated(fixtures_dir):
+  """PIL cannot even read this file's header (it was 'not an image in a supported format')."""
+  data = (fixtures_dir / 'clevr_change' / 'images' / 'CLEVR_default_000000.png').read_bytes()
+  with pytest.raises(errors.UserError, match='is truncated: a PNG file cut short after 200'):
+    images.load_image(data[:200], name='CLEVR_default_000000.png')
+
+
+def test_complete_but_damaged_png_is_named_corrupt():
+  start = _PNG.index(b'IDAT') + 4
+  damaged = _PNG[:start] + bytes(64) + _PNG[start + 64:]  # IEND still there
+  with pytest.raises(errors.UserError, match='is a corrupt PNG file'):
+    images.load_image(damaged)
+
+
+def _png16_rgb(width: int, height: int) -> bytes:
+  """A 16-bit RGB PNG (PIL writes none: it reads them as 8-bit 'RGB')."""
+  def chunk(kind: bytes, body: bytes) -> bytes:
+    crc = struct.pack('>I', zlib.crc32(kind + body) & 0xFFFFFFFF)
+    return struct.pack('>I', len(body)) + kind + body + crc
+  rows = b''.join(b'\x00' + np.full((width, 3), 40000, '>u2').tobytes() for _ in range(height))
+  return (b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', width, height, 16, 2,
+                                                               0, 0, 0))
+          + chunk(b'IDAT', zlib.compress(rows)) + chunk(b'IEND', b''))
+
+
+def _transparent_rgba() -> PIL.Image.Image:
+  a = np.full((20, 20, 4), 200, np.uint8)
+  a[0, 0, 3] = 0
+  return PIL.Image.fromarray(a, 'RGBA')
+
+
+_NOTICES = [
+    ('rgb', lambda: _encode(PIL.Image.fromarray(_rgb(20, 20))), None),
+    ('16-bit grey', lambda: _encode(PIL.Image.fromarray(np.full((20, 20), 9000, np.uint16))),
+     '16-bit grayscale, converted to 8-bit RGB'),
+    ('16-bit rgb', lambda: _png16_rgb(20, 20), '16-bit RGB, converted to 8-bit RGB'),
+    ('grey', lambda: _encode(PIL.Image.fromarray(_rgb(20, 20)).convert('L')),
+     'grayscale, converted to 8-bit RGB'),
+    ('palette', lambda: _encode(PIL.Image.fromarray(_rgb(20, 20)).convert('P')),
+     'palette, converted to 8-bit RGB'),
+    ('alpha', lambda: _encode(_transparent_rgba()),
+     'RGB with alpha, converted to 8-bit RGB; its transparent pixels keep their stored colour'),
+    ('opaque alpha', lambda: _encode(PIL.Image.fromarray(_rgb(20, 20)).convert('RGBA')), None),
+    ('tiny', lambda: _encode(PIL.Image.fromarray(_rgb(8, 40))),
+     'only 40 x 8 px (under 16 px on a side): too few pixels for a reliable caption'),
+    ('tiny grey', lambda: _encode(PIL.Image.fromarray(_rgb(5, 5)).convert('L')),
+     'grayscale, converted to 8-bit RGB; only 5 x 5 px (under 16 px on a side)'),
+]
+
+
+@pytest.mark.parametrize('what,make,expected', _NOTICES, ids=[n[0] for n in _NOTICES])
+def test_conversions_give_one_notice_line(what, make, expected):
+  del what
+  lines = []
+  out = images.load_image(make(), 32, name='before.png', notify=lines.append)
+  assert out.shape == (32, 32, 3) and out.dtype == np.uint8
+  if expected is None:
+    assert lines == []
+  else:
+    assert len(lines) == 1 and lines[0].startswith(f'before.png: {expected}'), lines
+  images.load_image(make(), 32, name='before.png')  # silent without notify
+
+
+def test_small_for_the_model_input_notice():
+  lines = []
+  images.load_image(_encode(PIL.Image.fromarray(_rgb(30, 30))), name='b.png', notify=lines.append,
+                    model_size=128)
+  assert lines == ["b.png: only 30 x 30 px (under a quarter of the model's 128 x 128 input): too "
+                   'few pixels for a reliable caption']
+  lines.clear()
+  images.load_image(_encode(PIL.Image.fromarray(_rgb(30, 30))), 64, notify=lines.append)
+  assert lines == []
+
+
+def test_from_image_arrays_and_pil():
+  rgb = _rgb(20, 20)
+  np.testing.assert_array_equal(images.from_image(rgb), rgb)
+  pil = PIL.Image.fromarray(rgb).convert('L')
+  lines = []
+  np.testing.assert_array_equal(images.from_image(pil, 8, name='x', notify=lines.append),
+                                images.load_image(_encode(pil), 8))
+  assert lines == ['x: grayscale, converted to 8-bit RGB']
+  np.testing.assert_array_equal(images.from_image(rgb[..., 0])[..., 2], rgb[..., 0])
+  rgba = np.concatenate([rgb, np.full((20, 20, 1), 255, np.uint8)], -1)
+  np.testing.assert_array_equal(images.from_image(rgba), rgb)
+  for bad in (rgb.astype(np.float32), np.zeros((4, 4, 2), np.uint8), 'not an image'):
+    with pytest.raises(errors.UserError, match='pass'):
+      images.from_image(bad, name='after')
 
 
 def test_huge_image_refused_from_header():
