@@ -257,9 +257,10 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
   elif variant == 'oracle':
     config.data.frame_source = 'oracle'
   else:
-    raise ValueError(f'unknown config variant or preset {variant!r}; presets: tiny, quick, default '
-                     '(first, e.g. configs/synthetic.py:quick); ablation variants after it: '
-                     'static, no_queries, no_stage1, k1, k2, k4, oracle (e.g. :default,static)')
+    raise ValueError(f'unknown config variant {variant!r}: the presets are tiny, quick, default '
+                     '(first, e.g. configs/synthetic.py:quick) and the ablation variants, after '
+                     'a preset, static, no_queries, no_stage1, k1, k2, k4, oracle (e.g. '
+                     ':default,static)')
 
 
 def _set_k(config: ml_collections.ConfigDict, k: int) -> None:

@@ -69,6 +69,10 @@ def test_main_bad_workdirs_and_missing_stages(tiny_config, tmp_path, capsys, fau
   fault('main', 'a workdir made with another model config', err)
 
   fresh = str(tmp_path / 'fresh')
+  from procap_jax import stages
+  # The confidence scores of the session's dataset, made now if no test made them yet: their
+  # progress bar on stderr would otherwise precede the error line of the first run below.
+  stages.prepare_data(tiny_config, fresh)
   stage2 = copy.deepcopy(tiny_config)
   stage2.stages = ('caption',)
   err = helpers.exit_message(capsys, main.run, stage2, fresh)
