@@ -17,9 +17,10 @@ authors' h5 / similarity files. Frames: methods `flow` / `crossfade` interpolate
 `h5` reads the authors' pseudo-sequences (uint8 [T, 3, H0, W0] per key), before / after being
 their first / last frame (no image folders needed). Everything is resized to `image_size`.
 
-Builds run `num_workers` spawned processes (ordered `imap`). A killed build leaves
-`<data_dir>/<name>/<config>/incomplete.*_<version>/`; the next build deletes it with a warning
-(so never build the same dataset into the same data_dir twice at once).
+Builds run `num_workers` spawned processes (ordered `imap`), or a Beam pipeline when given
+Beam options (`tfds_builders/beam_build.py`: same records, on one machine or a cluster). A killed
+build leaves `<data_dir>/<name>/<config>/incomplete.*_<version>/`; the next build deletes it with
+a warning (so never build the same dataset into the same data_dir twice at once).
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ from procap_jax import errors
 from procap_jax.data import images
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.procedure import interpolation
+from tfds_builders import beam_build
 
 CHANGE_TYPES = ('none', 'color', 'material', 'add', 'drop', 'move', 'other')
 SPLITS = ('train', 'val', 'test')
@@ -268,6 +270,16 @@ def make_example(task: tuple[str, Pair, int, str, int]) -> tuple[str, dict]:
   }
 
 
+def indexed_example(task: tuple[int, tuple[str, Pair, int, str, int]]) -> list[tuple[int, dict]]:
+  """The Beam path's `make_example`: (index in the split, task) -> [(index, example)].
+
+  Integer keys in split order: the records the sequential writer stores, which numbers the
+  pair-id keys in order since shuffling is disabled.
+  """
+  index, example_task = task
+  return [(index, make_example(example_task)[1])]
+
+
 def _worker_count(requested: int | None, num_tasks: int) -> int:
   available = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
   n = requested if requested else (available or 1)
@@ -290,6 +302,7 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     kwargs: as `tfds.core.GeneratorBasedBuilder`."""
     super().__init__(**kwargs)
     self._num_workers = num_workers
+    self._use_beam = False
 
   def _read(self, manual_dir: str, use_h5: bool) -> tuple[dict[str, list[Pair]], list[str]]:
     """Returns (pairs per split, descriptions of missing files); raises UserError on bad data."""
@@ -332,7 +345,9 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       shutil.rmtree(d, ignore_errors=True)
 
   def download_and_prepare(self, *, download_dir=None, download_config=None, **kwargs) -> None:
-    """As TFDS, but checks the manual directory first and clears interrupted builds."""
+    """As TFDS, but checks the manual directory first and clears interrupted builds; a
+    `download_config` with Beam options or a runner builds on Beam (`num_workers` unused)."""
+    self._use_beam = beam_build.uses_beam(download_config)
     if not os.path.exists(os.path.join(os.fspath(self.data_path), 'dataset_info.json')):
       manual = download_config.manual_dir if download_config else None
       if not manual:
@@ -340,8 +355,9 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
                               'manual')
       self._check_manual_dir(os.fspath(manual))  # before TFDS's own (less helpful) assertion
       self._remove_incomplete_builds()
-    super().download_and_prepare(download_dir=download_dir, download_config=download_config,
-                                 **kwargs)
+    with beam_build.user_errors_from_workers():
+      super().download_and_prepare(download_dir=download_dir, download_config=download_config,
+                                   **kwargs)
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
     manual_dir = os.fspath(dl_manager.manual_dir)
@@ -367,10 +383,15 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         os.chmod(os.path.join(out_dir, name), 0o644)
     return {split: self._generate_examples(manual_dir, split, splits[split]) for split in SPLITS}
 
-  def _generate_examples(self, manual_dir: str, split: str,
-                         pairs: list[Pair]) -> Iterator[tuple[str, dict]]:
+  def _generate_examples(self, manual_dir: str, split: str, pairs: list[Pair]):
     cfg = self.builder_config
     tasks = [(manual_dir, p, cfg.image_size, cfg.method, cfg.num_frames) for p in pairs]
+    if self._use_beam:
+      return beam_build.examples(list(enumerate(tasks)), indexed_example)
+    return self._local_examples(split, tasks)
+
+  def _local_examples(self, split: str, tasks: list[tuple]) -> Iterator[tuple[str, dict]]:
+    cfg = self.builder_config
     workers = _worker_count(self._num_workers, len(tasks))
     bar = tqdm.tqdm(total=len(tasks), desc=f'{self.name}/{cfg.name} {split}', unit='pair')
     try:
@@ -391,7 +412,8 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 
 def build(builder_cls: type[PairsBuilder], builder_config: str, data_dir: str, manual_dir: str,
-          *, num_workers: int | None = None) -> PairsBuilder:
+          *, num_workers: int | None = None,
+          beam_options: beam_build.BeamOptions = None) -> PairsBuilder:
   """Prepares `<name>/<builder_config>` in `data_dir` from `manual_dir`; reuses a prepared one.
 
   Args:
@@ -400,13 +422,16 @@ def build(builder_cls: type[PairsBuilder], builder_config: str, data_dir: str, m
     data_dir: TFDS data directory (the dataset lands in `<data_dir>/<name>/<config>/1.0.0`).
     manual_dir: the folder with the original files (see the builder's README.md).
     num_workers: build processes; None = every available core, 1 = this process.
+    beam_options: Beam flags (see `tfds_builders/beam_build.py`); build with Beam instead of
+      `num_workers` processes. None / '' = without Beam.
 
   Returns:
     The prepared builder (`builder.data_dir` is the dataset's version directory).
 
   Raises:
     errors.UserError: unknown config, no or an incomplete manual directory, an unwritable
-      data directory, a corrupt image or annotation file.
+      data directory, a corrupt image or annotation file, Beam options that are invalid or
+      given without Apache Beam installed.
   """
   names = [c.name for c in builder_cls.BUILDER_CONFIGS]
   if builder_config not in names:
@@ -420,8 +445,7 @@ def build(builder_cls: type[PairsBuilder], builder_config: str, data_dir: str, m
                         num_workers=num_workers)
   if builder.is_prepared():
     return builder
+  download_config = beam_build.download_config(beam_options, manual_dir=os.fspath(manual_dir))
   errors.check_writable_dir(data_dir)
-  builder.download_and_prepare(
-      file_format='array_record',
-      download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir)))
+  builder.download_and_prepare(file_format='array_record', download_config=download_config)
   return builder

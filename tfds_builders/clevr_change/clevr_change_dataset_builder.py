@@ -13,6 +13,7 @@ nsc_videos.h5 keyed '%06d.png'.
 import os
 
 from procap_jax import errors
+from tfds_builders import beam_build
 from tfds_builders import common
 
 MANUAL_DOWNLOAD_INSTRUCTIONS = """\
@@ -106,6 +107,8 @@ class Builder(common.PairsBuilder):
 
 
 def build(builder_config: str, data_dir: str, manual_dir: str, *,
-          num_workers: int | None = None) -> Builder:
+          num_workers: int | None = None, beam_options: beam_build.BeamOptions = None
+          ) -> Builder:
   """Builds CLEVR-Change; see `tfds_builders.common.build`."""
-  return common.build(Builder, builder_config, data_dir, manual_dir, num_workers=num_workers)
+  return common.build(Builder, builder_config, data_dir, manual_dir, num_workers=num_workers,
+                      beam_options=beam_options)

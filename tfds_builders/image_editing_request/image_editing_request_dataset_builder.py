@@ -11,6 +11,7 @@ train split repeats some pairs under several uids, and this reproduces ProCap's
 edit_word2idx2.json (see procap_jax/data/vocab.py).
 """
 
+from tfds_builders import beam_build
 from tfds_builders import common
 
 MANUAL_DOWNLOAD_INSTRUCTIONS = """\
@@ -71,6 +72,8 @@ class Builder(common.PairsBuilder):
 
 
 def build(builder_config: str, data_dir: str, manual_dir: str, *,
-          num_workers: int | None = None) -> Builder:
+          num_workers: int | None = None, beam_options: beam_build.BeamOptions = None
+          ) -> Builder:
   """Builds Image Editing Request; see `tfds_builders.common.build`."""
-  return common.build(Builder, builder_config, data_dir, manual_dir, num_workers=num_workers)
+  return common.build(Builder, builder_config, data_dir, manual_dir, num_workers=num_workers,
+                      beam_options=beam_options)

@@ -8,6 +8,7 @@ scene_id = int(img_id), change_type 'other'. With method 'h5' the frames come fr
 spot_videos.h5 keyed img_id.
 """
 
+from tfds_builders import beam_build
 from tfds_builders import common
 
 MANUAL_DOWNLOAD_INSTRUCTIONS = """\
@@ -55,6 +56,8 @@ class Builder(common.PairsBuilder):
 
 
 def build(builder_config: str, data_dir: str, manual_dir: str, *,
-          num_workers: int | None = None) -> Builder:
+          num_workers: int | None = None, beam_options: beam_build.BeamOptions = None
+          ) -> Builder:
   """Builds Spot-the-Diff; see `tfds_builders.common.build`."""
-  return common.build(Builder, builder_config, data_dir, manual_dir, num_workers=num_workers)
+  return common.build(Builder, builder_config, data_dir, manual_dir, num_workers=num_workers,
+                      beam_options=beam_options)

@@ -1,6 +1,9 @@
 r"""Command line: build a synthetic_change config and print its statistics.
 
   python -m tfds_builders.synthetic_change.build --config tiny --data_dir D [--num_workers N]
+  python -m tfds_builders.synthetic_change.build --config small --data_dir D \
+      --beam_options='--runner=DirectRunner --direct_num_workers=2
+                      --direct_running_mode=multi_processing'
 
 Prints the image size, pairs per split and change type, caption counts and the build time
 (or that the config was already prepared). Exits with status 2 and one sentence on a user
@@ -75,6 +78,8 @@ def format_statistics(stats: dict) -> str:
   lines.append(f"  vocabulary: {stats['vocabulary']} words")
   if stats.get('build_seconds') is None:
     lines.append('  build time: not measured (already prepared)')
+  elif stats.get('beam_options'):
+    lines.append(f"  build time: {stats['build_seconds']:.1f} s on Beam ({stats['beam_options']})")
   else:
     lines.append(f"  build time: {stats['build_seconds']:.1f} s with {stats['workers']} "
                  'worker process(es)')
@@ -91,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--data_dir', required=True, help='TFDS data directory')
   parser.add_argument('--num_workers', type=int, default=None,
                       help='rendering processes (default: every available core)')
+  parser.add_argument('--beam_options', default='',
+                      help="build in a Beam pipeline with these Beam flags, e.g. "
+                      "'--runner=DirectRunner --direct_num_workers=2 "
+                      "--direct_running_mode=multi_processing' (needs the [beam] extra)")
   parser.add_argument('--json', action='store_true', help='print the statistics as JSON')
   args = parser.parse_args(argv)
 
@@ -98,13 +107,15 @@ def main(argv: list[str] | None = None) -> None:
   existing = builder_lib.Builder(config=args.config, data_dir=args.data_dir)
   was_prepared = builder_lib.is_prepared(existing)
   t0 = time.perf_counter()
-  builder = builder_lib.build(args.config, args.data_dir, num_workers=args.num_workers)
+  builder = builder_lib.build(args.config, args.data_dir, num_workers=args.num_workers,
+                              beam_options=args.beam_options)
   seconds = None if was_prepared else time.perf_counter() - t0
   stats = statistics(builder)
   stats['build_seconds'] = None if seconds is None else round(seconds, 1)
   cfg = builder.builder_config
   stats['workers'] = max(builder_lib.workers_for(cfg.num_scenes(s), args.num_workers)
                          for s in scene.SPLITS)
+  stats['beam_options'] = args.beam_options
   print(json.dumps(stats) if args.json else format_statistics(stats), flush=True)
 
 

@@ -3,7 +3,8 @@
 Configs: `tiny` (tests), `small` (the default main job) and `full` (CLEVR-Change sized); see
 README.md in this folder for the statistics and build times. Build with `build(...)` or
 `python -m tfds_builders.synthetic_change.build --config tiny --data_dir D`; read with
-`tfds.data_source('synthetic_change/tiny', data_dir=D, split='train')`.
+`tfds.data_source('synthetic_change/tiny', data_dir=D, split='train')`. With Beam options the
+same scenes are made in a Beam pipeline (`tfds_builders/beam_build.py`), giving the same records.
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ import tensorflow_datasets as tfds
 import tqdm
 
 from procap_jax import errors
+from tfds_builders import beam_build
 from tfds_builders.synthetic_change import generate
 from tfds_builders.synthetic_change import scene
 
@@ -91,6 +93,14 @@ class Builder(tfds.core.GeneratorBasedBuilder):
     process); kwargs: as `tfds.core.GeneratorBasedBuilder`."""
     super().__init__(**kwargs)
     self._num_workers = num_workers
+    self._use_beam = False
+
+  def download_and_prepare(self, *, download_config=None, **kwargs) -> None:
+    """As TFDS; a `download_config` with Beam options or a runner builds on Beam (then
+    `num_workers` is unused: Beam's workers render the scenes)."""
+    self._use_beam = beam_build.uses_beam(download_config)
+    with beam_build.user_errors_from_workers():
+      super().download_and_prepare(download_config=download_config, **kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
     size = self.builder_config.image_size
@@ -122,8 +132,14 @@ class Builder(tfds.core.GeneratorBasedBuilder):
     cfg = self.builder_config
     spec = generate.Spec(cfg.seed, cfg.image_size, cfg.interpolation, split,
                          cfg.first_scene_id(split))
-    n = cfg.num_scenes(split)
-    tasks = [(spec, i) for i in range(n)]
+    tasks = [(spec, i) for i in range(cfg.num_scenes(split))]
+    if self._use_beam:
+      return beam_build.examples(tasks, generate.scene_examples, setup=generate.init_worker)
+    return self._local_examples(split, tasks)
+
+  def _local_examples(self, split: str, tasks: list[tuple[generate.Spec, int]]):
+    cfg = self.builder_config
+    n = len(tasks)
     workers = workers_for(n, self._num_workers)
     progress = dict(total=n, desc=f'synthetic_change/{cfg.name} {split}', unit='scene',
                     mininterval=2.0)
@@ -167,7 +183,8 @@ def check_config_name(name: str) -> None:
                            f'{", ".join(config_names())}')
 
 
-def build(config_name: str, data_dir: str, *, num_workers: int | None = None) -> Builder:
+def build(config_name: str, data_dir: str, *, num_workers: int | None = None,
+          beam_options: beam_build.BeamOptions = None) -> Builder:
   """Prepares `synthetic_change/<config_name>` in `data_dir` (array_record); skips it when
   already prepared. A build killed earlier leaves no complete dataset, only a temporary
   directory, which this call removes before building again.
@@ -176,12 +193,16 @@ def build(config_name: str, data_dir: str, *, num_workers: int | None = None) ->
     config_name: 'tiny', 'small' or 'full'.
     data_dir: the TFDS data directory (created if missing).
     num_workers: rendering processes; None uses every available core.
+    beam_options: Beam flags (see `tfds_builders/beam_build.py`), e.g. '--runner=DirectRunner
+      --direct_num_workers=2 --direct_running_mode=multi_processing': build in a Beam pipeline
+      instead of `num_workers` processes (same records). None / '' = without Beam.
 
   Returns:
     The prepared builder (`builder.as_data_source(split)` reads it).
 
   Raises:
-    errors.UserError: unknown config name, or a data directory that cannot be written.
+    errors.UserError: unknown config name, a data directory that cannot be written, Beam
+      options that are invalid or given without Apache Beam installed.
   """
   check_config_name(config_name)
   data_dir = os.fspath(data_dir)
@@ -191,9 +212,10 @@ def build(config_name: str, data_dir: str, *, num_workers: int | None = None) ->
                     num_workers=num_workers)
   if is_prepared(builder):
     return builder
+  download_config = beam_build.download_config(beam_options)
   _check_writable(data_dir)
   remove_incomplete_builds(builder)
-  builder.download_and_prepare(file_format='array_record')
+  builder.download_and_prepare(file_format='array_record', download_config=download_config)
   return builder
 
 
