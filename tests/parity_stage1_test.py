@@ -148,17 +148,15 @@ def test_fixture_holds_the_paper_switches_and_sizes(case):
   assert lr0 == pytest.approx(float(case.io['lr']), rel=1e-6)
 
 
-def test_lr_schedule_runs_one_update_ahead_of_deepspeeds(case):
+def test_lr_schedule_equals_deepspeeds(case):
   """The original's lr (DeepSpeed 0.18.5 WarmupLR stepped after each update, recorded for
   updates 0..11): its constructor sets the min lr and its first step() computes ln(0 + 1) = 0
-  again, so update n >= 1 gets ln(n) / ln(W) where `pretrain.learning_rate` gives
-  ln(n + 1) / ln(W). Ours is one update ahead during the warmup (equal at 0 and from W on; at
-  most 8e-6 apart, at update 1). Asserted so that a change on either side shows."""
+  again, so update n >= 1 gets ln(n) / ln(W); `pretrain.learning_rate` gives the same."""
   theirs = case.io['lr_schedule']
   ours = np.asarray(pretrain.learning_rate(case.config, case.config.pretrain.train.steps)(
       np.arange(len(theirs))))
-  assert ours[0] == pytest.approx(theirs[0], rel=1e-6) == theirs[1]
-  np.testing.assert_allclose(ours[1:-1], theirs[2:], rtol=1e-5)
+  assert ours[0] == ours[1] == pytest.approx(theirs[0], rel=1e-6)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
 def test_clip_blocks_convert_as_the_original_loads_them(case):

@@ -301,8 +301,11 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
 
 
 def learning_rate(config: ml_collections.ConfigDict, total_steps: int = 0) -> optax.Schedule:
-  """The original's DeepSpeed WarmupLR: lr(n) = lo + (lr - lo) ln(n + 1) / ln(W) for n < W
-  ('log'), or lo + (lr - lo) n / W ('linear'); then the constant lr. n = updates so far.
+  """The original's DeepSpeed WarmupLR as train_stage1.py steps it: update n (0-based) runs at
+  lr(k) with k = max(n - 1, 0), lr(k) = lo + (lr - lo) ln(k + 1) / ln(W) for k < W ('log'), or
+  lo + (lr - lo) k / W ('linear'); then the constant lr. The scheduler's constructor already
+  takes one step and the loop steps after every update, so updates 0 and 1 both run at lo
+  (recorded from DeepSpeed 0.18.5: tests/parity_stage1_test.py).
 
   With `decay_steps` D > 0 (not the original's; docs/fidelity.md) the last D of `total_steps`
   updates decay the lr linearly to 0 (warmup-stable-decay): lr (total - n) / D for
@@ -320,11 +323,12 @@ def learning_rate(config: ml_collections.ConfigDict, total_steps: int = 0) -> op
 
   def schedule(count):
     n = jnp.asarray(count, jnp.float32)
+    k = jnp.maximum(n - 1.0, 0.0)  # DeepSpeed's iteration counter at update n
     if steps <= 1:
       lr = jnp.full_like(n, hi)
     else:
-      frac = jnp.log(n + 1.0) / np.log(steps) if t.warmup == 'log' else n / steps
-      lr = jnp.where(n < steps, lo + (hi - lo) * frac, hi)
+      frac = jnp.log(k + 1.0) / np.log(steps) if t.warmup == 'log' else k / steps
+      lr = jnp.where(k < steps, lo + (hi - lo) * frac, hi)
     if decay:
       lr = jnp.minimum(lr, hi * jnp.clip((total_steps - n) / decay, 0.0, 1.0))
     return lr
