@@ -261,11 +261,19 @@ def _path_names(path) -> list[str]:
   return [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path]
 
 
+def _decayed(names: list[str]) -> bool:
+  """The original's rule on its torch names: decay unless the name contains 'bias'. Our paths
+  hold 'bias' exactly where its names do, except the decoder LayerNorms' bias, which densecap's
+  LayerNorm calls `beta`: decayed (tests/parity_stage2_test.py checks every parameter)."""
+  if names[0] == 'decoder' and names[-1] == 'bias' and names[-2].startswith('norm_'):
+    return True
+  return 'bias' not in '/'.join(names)
+
+
 def decay_mask(params: Any) -> Any:
-  """True where weight decay applies: every parameter whose path does not contain 'bias' (the
-  original's effective rule; LayerNorm scales, image_mask and embeddings are decayed)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: 'bias' not in '/'.join(_path_names(path)), params)
+  """True where weight decay applies: the original's effective rule (`_decayed`): LayerNorm
+  scales, image_mask, embeddings and the decoder LayerNorms' biases are decayed."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: _decayed(_path_names(path)), params)
 
 
 def bert_adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
