@@ -137,3 +137,24 @@ def test_kind_frequencies():
   _, kinds = _corrupt(jax.random.PRNGKey(0), jnp.asarray(frames), probs=(0.1, 0.2, 0.3, 0.4))
   freq = np.bincount(np.asarray(kinds), minlength=4) / 4000
   np.testing.assert_allclose(freq, (0.1, 0.2, 0.3, 0.4), atol=0.03)
+
+
+def test_encoded_corruptions_equal_encoding_the_corrupted_clips():
+  """corrupt_encoded gathers the encodings of moved frames and encodes only changed ones: the
+  same result as encoding every frame of `corrupt`'s clips, with the same draws."""
+  rng = np.random.default_rng(3)
+  frames = jnp.asarray(rng.uniform(size=(6, 4, 8, 8, 3)), jnp.float32)
+
+  def encode(images):  # a per-image function: 2 x 2 mean pooling and a channel mix
+    pooled = images.reshape(images.shape[0], 4, 2, 4, 2, 3).mean(axis=(2, 4))
+    return jnp.tanh(pooled @ jnp.asarray([[1.0, -2.0], [0.5, 1.0], [-1.0, 0.3]]))
+
+  probs = (0.25, 0.25, 0.25, 0.25)
+  for seed in range(4):
+    key = jax.random.PRNGKey(seed)
+    corrupted, kind = corruptions.corrupt(key, frames, probs=probs)
+    want = encode(corrupted.reshape(-1, 8, 8, 3)).reshape(6, 4, 4, 4, 2)
+    encoded = encode(frames.reshape(-1, 8, 8, 3)).reshape(6, 4, 4, 4, 2)
+    got, got_kind = corruptions.corrupt_encoded(key, frames, encoded, encode, probs=probs)
+    np.testing.assert_array_equal(got_kind, kind)
+    np.testing.assert_allclose(got, want, atol=1e-6)

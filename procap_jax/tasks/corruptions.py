@@ -14,7 +14,7 @@ dalle_beit.py, spec 4.4):
 """
 
 import itertools
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +93,67 @@ def affine_warp(images: jax.Array, theta: jax.Array) -> jax.Array:
   return (top * (1 - wy) + bottom * wy).astype(images.dtype)
 
 
+class _Draws(NamedTuple):
+  """The random choices of one batch's corruptions (see `corrupt`)."""
+  kind: jax.Array          # [B] index into KINDS
+  one_hot: jax.Array       # bool [B, T, 1, 1, 1], the frame a corruption replaces
+  other: jax.Array         # [B] 'replace': the sample the new frame comes from
+  source_frame: jax.Array  # [B] 'replace': which of its frames
+  perm: jax.Array          # [B, T] 'shuffle': the order
+  changed: jax.Array       # [B, S, S, 3] 'colour' / 'affine': the new frame
+
+
+def _draw(rng: jax.Array, frames: jax.Array, probs: Sequence[float], max_rotation_deg: float,
+          max_translation: float, scale_range: Sequence[float], color_shift: float) -> _Draws:
+  b, t = frames.shape[:2]
+  ks = jax.random.split(rng, 10)
+  p = jnp.asarray(probs, jnp.float32)
+  kind = jax.random.choice(ks[0], len(KINDS), (b,), p=p / p.sum()).astype(jnp.int32)
+  which = jax.random.randint(ks[1], (b,), 0, t)  # the frame to corrupt
+  one_hot = jax.nn.one_hot(which, t, dtype=bool)[:, :, None, None, None]  # [B, T, 1, 1, 1]
+  rows = jnp.arange(b)
+  picked = frames[rows, which]  # [B, S, S, 3]
+
+  # 0: a random frame of another sample.
+  if b > 1:
+    other = (rows + 1 + jax.random.randint(ks[2], (b,), 0, b - 1)) % b
+    source_frame = jax.random.randint(ks[3], (b,), 0, t)
+  else:
+    other = rows
+    source_frame = (which + 1 + jax.random.randint(ks[3], (b,), 0, max(1, t - 1))) % t
+
+  # 1: a non-identity permutation.
+  perms = jnp.asarray(non_identity_permutations(t))  # [P, T]
+  perm = perms[jax.random.randint(ks[4], (b,), 0, perms.shape[0])]  # [B, T]
+
+  # 2: colour shift of all channels (0) or of R / G / B (1..3).
+  shift = jax.random.uniform(ks[5], (b,), minval=-color_shift, maxval=color_shift)
+  channel = jax.random.randint(ks[6], (b,), 0, 4)
+  which_ch = (channel[:, None] == 0) | (channel[:, None] == jnp.arange(1, 4)[None])  # [B, 3]
+  coloured = jnp.clip(picked + (shift[:, None] * which_ch)[:, None, None, :], 0.0, 1.0)
+
+  # 3: affine warp.
+  angle = jnp.deg2rad(jax.random.uniform(ks[7], (b,), minval=-max_rotation_deg,
+                                         maxval=max_rotation_deg))
+  txy = jax.random.uniform(ks[8], (2, b), minval=-max_translation, maxval=max_translation)
+  scale = jax.random.uniform(ks[9], (b,), minval=scale_range[0], maxval=scale_range[1])
+  warped = affine_warp(picked, affine_theta(angle, txy[0], txy[1], scale))  # [B, S, S, 3]
+  changed = jnp.where((kind == 2)[:, None, None, None], coloured, warped)  # [B, S, S, 3]
+  return _Draws(kind, one_hot, other, source_frame, perm, changed)
+
+
+def _assemble(d: _Draws, clips: jax.Array, changed: jax.Array) -> jax.Array:
+  """The corrupted clips from per-frame items [B, T, ...] (images or their features) and the
+  new frame's item [B, ...] (used by 'colour' and 'affine')."""
+  pad = (None,) * (clips.ndim - 2)
+  one_hot = d.one_hot.reshape(d.one_hot.shape[:2] + (1,) * (clips.ndim - 2))
+  replaced = jnp.where(one_hot, clips[d.other, d.source_frame][:, None], clips)
+  shuffled = jnp.take_along_axis(clips, d.perm[(...,) + pad], axis=1)
+  single = jnp.where(one_hot, changed[:, None], clips)
+  k = d.kind[(slice(None),) + (None,) * (clips.ndim - 1)]  # [B, 1, ...]
+  return jnp.where(k == 0, replaced, jnp.where(k == 1, shuffled, single))
+
+
 def corrupt(rng: jax.Array, frames: jax.Array, *, probs: Sequence[float],
             max_rotation_deg: float = 30.0, max_translation: float = 0.1,
             scale_range: Sequence[float] = (0.9, 1.1),
@@ -112,53 +173,46 @@ def corrupt(rng: jax.Array, frames: jax.Array, *, probs: Sequence[float],
     (corrupted frames [B, T, S, S, 3], kind int32 [B] index into KINDS). With B = 1,
     'replace' takes another frame of the same clip (there is no other sample).
   """
-  b, t = frames.shape[:2]
-  ks = jax.random.split(rng, 10)
-  p = jnp.asarray(probs, jnp.float32)
-  kind = jax.random.choice(ks[0], len(KINDS), (b,), p=p / p.sum()).astype(jnp.int32)
-  which = jax.random.randint(ks[1], (b,), 0, t)  # the frame to corrupt
-  one_hot = jax.nn.one_hot(which, t, dtype=bool)[:, :, None, None, None]  # [B, T, 1, 1, 1]
-  rows = jnp.arange(b)
-  picked = frames[rows, which]  # [B, S, S, 3]
+  d = _draw(rng, frames, probs, max_rotation_deg, max_translation, scale_range, color_shift)
+  return _assemble(d, frames, d.changed).astype(frames.dtype), d.kind
 
-  # 0: a random frame of another sample.
-  if b > 1:
-    other = (rows + 1 + jax.random.randint(ks[2], (b,), 0, b - 1)) % b
-    source_frame = jax.random.randint(ks[3], (b,), 0, t)
-  else:
-    other = rows
-    source_frame = (which + 1 + jax.random.randint(ks[3], (b,), 0, max(1, t - 1))) % t
-  replaced = jnp.where(one_hot, frames[other, source_frame][:, None], frames)
 
-  # 1: a non-identity permutation.
-  perms = jnp.asarray(non_identity_permutations(t))  # [P, T]
-  perm = perms[jax.random.randint(ks[4], (b,), 0, perms.shape[0])]  # [B, T]
-  shuffled = jnp.take_along_axis(frames, perm[:, :, None, None, None], axis=1)
+def corrupt_encoded(rng: jax.Array, frames: jax.Array, encoded: jax.Array,
+                    encode: Callable[[jax.Array], jax.Array], *, probs: Sequence[float],
+                    max_rotation_deg: float = 30.0, max_translation: float = 0.1,
+                    scale_range: Sequence[float] = (0.9, 1.1),
+                    color_shift: float = 0.5) -> tuple[jax.Array, jax.Array]:
+  """What `encode` gives the clips `corrupt` makes (same rng, same draws), encoding one new
+  frame per sample instead of T: 'replace' and 'shuffle' only move frames, so their encodings
+  are gathered from `encoded`; 'colour' and 'affine' change one frame, whose image is encoded.
 
-  # 2: colour shift of all channels (0) or of R / G / B (1..3).
-  shift = jax.random.uniform(ks[5], (b,), minval=-color_shift, maxval=color_shift)
-  channel = jax.random.randint(ks[6], (b,), 0, 4)
-  which_ch = (channel[:, None] == 0) | (channel[:, None] == jnp.arange(1, 4)[None])  # [B, 3]
-  coloured = jnp.clip(picked + (shift[:, None] * which_ch)[:, None, None, :], 0.0, 1.0)
-  coloured = jnp.where(one_hot, coloured[:, None], frames)
+  Args:
+    rng, frames, probs, ...: as `corrupt`.
+    encoded: [B, T, ...] what `encode` gives each frame of `frames` ([B*T] images at a time).
+    encode: a per-image function, [M, S, S, 3] -> [M, ...] (e.g. the frozen tokenizer's
+      features; it must not mix images of a batch, as a GroupNorm CNN does not).
 
-  # 3: affine warp.
-  angle = jnp.deg2rad(jax.random.uniform(ks[7], (b,), minval=-max_rotation_deg,
-                                         maxval=max_rotation_deg))
-  txy = jax.random.uniform(ks[8], (2, b), minval=-max_translation, maxval=max_translation)
-  scale = jax.random.uniform(ks[9], (b,), minval=scale_range[0], maxval=scale_range[1])
-  warped = affine_warp(picked, affine_theta(angle, txy[0], txy[1], scale))  # [B, S, S, 3]
-  warped = jnp.where(one_hot, warped[:, None], frames)
+  Returns:
+    (encoded corrupted clips [B, T, ...], kind int32 [B]).
+  """
+  d = _draw(rng, frames, probs, max_rotation_deg, max_translation, scale_range, color_shift)
+  return _assemble(d, encoded, encode(d.changed).astype(encoded.dtype)), d.kind
 
-  k = kind[:, None, None, None, None]  # [B, 1, 1, 1, 1]
-  out = jnp.where(k == 0, replaced, jnp.where(k == 1, shuffled,
-                                              jnp.where(k == 2, coloured, warped)))
-  return out.astype(frames.dtype), kind
+
+def _options(config) -> dict:
+  c = config.pretrain.corruption
+  return dict(probs=tuple(c.probs), max_rotation_deg=c.max_rotation_deg,
+              max_translation=c.max_translation, scale_range=tuple(c.scale_range),
+              color_shift=c.color_shift)
 
 
 def corrupt_from_config(rng: jax.Array, frames: jax.Array, config) -> tuple[jax.Array, jax.Array]:
   """`corrupt` with `config.pretrain.corruption`."""
-  c = config.pretrain.corruption
-  return corrupt(rng, frames, probs=tuple(c.probs), max_rotation_deg=c.max_rotation_deg,
-                 max_translation=c.max_translation, scale_range=tuple(c.scale_range),
-                 color_shift=c.color_shift)
+  return corrupt(rng, frames, **_options(config))
+
+
+def corrupt_encoded_from_config(rng: jax.Array, frames: jax.Array, encoded: jax.Array,
+                                encode: Callable[[jax.Array], jax.Array],
+                                config) -> tuple[jax.Array, jax.Array]:
+  """`corrupt_encoded` with `config.pretrain.corruption`."""
+  return corrupt_encoded(rng, frames, encoded, encode, **_options(config))

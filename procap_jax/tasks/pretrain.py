@@ -168,8 +168,13 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
   codes = _encode_clips(tokenizer.encode_tokens, tokenizer_params, frames)  # [B, T, N]
   codes = codes.reshape(b, -1).astype(jnp.int32)  # [B, T*N]
   masks = masking.sample_masks_from_config(k_mask, b, config)
-  corrupted, kind = corruptions.corrupt_from_config(k_corrupt, frames, config)
-  features_neg = _encode_clips(tokenizer.encode_features, tokenizer_params, corrupted)
+  # The corrupted clips' features: 'replace' and 'shuffle' only move frames, so their features
+  # are gathered; 'colour' and 'affine' change one frame, the only one encoded (1 frame per
+  # sample instead of T; the same values as encoding the whole corrupted clip).
+  features_neg, kind = corruptions.corrupt_encoded_from_config(
+      k_corrupt, frames, features,
+      lambda images: jax.lax.stop_gradient(tokenizer.encode_features(tokenizer_params, images)),
+      config)
   out = forward_logits(params, config, model, text, features, features_neg, masks.mask,
                        masks.fully_masked)
   return dict(out, codes=codes, corruption=kind)
