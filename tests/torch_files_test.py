@@ -58,6 +58,19 @@ def _zip_with_pickle(path, payload: bytes, records: dict | None = None):
       z.writestr(f'archive/data/{key}', raw)
 
 
+def test_dict_and_list_subclasses_are_filled_inertly(tmp_path):
+  """A checkpoint holding an EasyDict config (train_stage2.py's `model_cfg`) or a list subclass:
+  pickle fills them item by item, which the stand-in records instead of failing."""
+  # {'cfg': easydict.EasyDict() with 'lr' = 1.0, 'seq': mylib.L() + [1, 2]} in protocol 2.
+  payload = (b'\x80\x02}q\x00(X\x03\x00\x00\x00cfgq\x01ceasydict\nEasyDict\nq\x02)\x81q\x03'
+             b'X\x02\x00\x00\x00lrq\x04G?\xf0\x00\x00\x00\x00\x00\x00sX\x03\x00\x00\x00seqq\x05'
+             b'cmylib\nL\nq\x06)\x81q\x07(K\x01K\x02eu.')
+  _zip_with_pickle(tmp_path / 'cfg.pt', payload)
+  tree = torch_files.load(str(tmp_path / 'cfg.pt'))
+  assert tree['cfg'].name == 'easydict.EasyDict' and tree['cfg'].items == {'lr': 1.0}
+  assert tree['seq'].name == 'mylib.L' and tree['seq'].elements == [1, 2]
+
+
 def test_no_global_of_the_file_is_executed(tmp_path):
   marker = tmp_path / 'ran'
   # GLOBAL os.system, called with a shell command: the reader must not resolve it.

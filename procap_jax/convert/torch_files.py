@@ -59,13 +59,25 @@ class FormatError(errors.UserError):
 
 
 class Opaque:
-  """An object of a class the reader does not run: its name, arguments and pickled state."""
+  """An object of a class the reader does not run: its name, arguments and pickled state, and
+  the items or elements pickle fills a dict or list subclass with (e.g. an EasyDict config)."""
 
   def __init__(self, name: str, args: tuple = ()):
     self.name, self.args, self.state = name, args, None
+    self.items: dict = {}
+    self.elements: list = []
 
   def __setstate__(self, state: Any) -> None:
     self.state = state
+
+  def __setitem__(self, key: Any, value: Any) -> None:
+    self.items[key] = value
+
+  def append(self, value: Any) -> None:
+    self.elements.append(value)
+
+  def extend(self, values: Any) -> None:
+    self.elements.extend(values)
 
   def __repr__(self) -> str:
     return f'Opaque({self.name})'
