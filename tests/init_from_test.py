@@ -23,6 +23,17 @@ from procap_jax.tasks import tokenizer
 PARITY = pathlib.Path(__file__).parent / 'parity' / 'fixtures'
 
 
+def _write_safetensors(path, state: dict) -> None:
+  header, body = {}, b''
+  for name, a in state.items():
+    raw = np.asarray(a, np.float32).astype('<f4').tobytes()
+    header[name] = {'dtype': 'F32', 'shape': list(np.shape(a)),
+                    'data_offsets': [len(body), len(body) + len(raw)]}
+    body += raw
+  text = json.dumps(header).encode()
+  pathlib.Path(path).write_bytes(struct.pack('<Q', len(text)) + text + body)
+
+
 def _write_clip_shaped(path, width: int, blocks: int, seed: int = 0) -> dict:
   """A CLIP-shaped state dict (`visual.transformer.resblocks.*`) as safetensors; returns it."""
   rng = np.random.default_rng(seed)
@@ -37,14 +48,7 @@ def _write_clip_shaped(path, width: int, blocks: int, seed: int = 0) -> dict:
               'mlp.c_proj.bias': (width,)}
     for name, shape in shapes.items():
       state[p + name] = (0.05 * rng.normal(size=shape)).astype(np.float32)
-  header, body = {}, b''
-  for name, a in state.items():
-    raw = a.astype('<f4').tobytes()
-    header[name] = {'dtype': 'F32', 'shape': list(a.shape),
-                    'data_offsets': [len(body), len(body) + len(raw)]}
-    body += raw
-  text = json.dumps(header).encode()
-  pathlib.Path(path).write_bytes(struct.pack('<Q', len(text)) + text + body)
+  _write_safetensors(path, state)
   return state
 
 
@@ -121,6 +125,21 @@ def test_convert_command_writes_a_finished_stage_once(tiny_config, tmp_path):
   assert os.path.exists(os.path.join(workdir, 'config.json'))
   with pytest.raises(SystemExit):  # a second conversion into the same stage is refused
     convert_cli.convert(config, workdir, 'taming', str(PARITY / 'vqgan.ckpt'))
+
+
+def test_the_vqgan_inside_a_procap_checkpoint_converts_like_its_own_file(tiny_config, tmp_path):
+  from procap_jax.convert import init
+  config = _fixture_tokenizer_config(tiny_config)
+  plain = torch_files.state_dict(str(PARITY / 'vqgan.ckpt'))
+  want = init.converted('tokenizer', config, str(PARITY / 'vqgan.ckpt'))
+  for prefix in init.VQGAN_PREFIXES[1:]:  # inside a stage-1 BERT / a stage-2 MMVID_IDC
+    state = {prefix + k: v for k, v in plain.items()}
+    state[prefix.replace('vae.model.', '') + 'image_mask'] = np.zeros(4)
+    _write_safetensors(tmp_path / 'procap.safetensors', state)
+    got = init.converted('tokenizer', config, str(tmp_path / 'procap.safetensors'))
+    for a, b in zip(flax.traverse_util.flatten_dict(got).values(),
+                    flax.traverse_util.flatten_dict(want).values()):
+      np.testing.assert_array_equal(a, b)
 
 
 def test_init_from_errors_are_one_sentence(tiny_config, tmp_path):

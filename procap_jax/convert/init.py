@@ -1,7 +1,9 @@
 """Starting a stage from the original's weights (`config.<stage>.init_from`).
 
   tokenizer.init_from   a taming `VQModel` checkpoint -> the whole VQGAN (a discriminator, when
-                        the config trains one, keeps its random init).
+                        the config trains one, keeps its random init); or a released ProCap
+                        stage-1 / stage-2 checkpoint, which holds its frozen VQGAN under
+                        `vae.model.` / `intermediate_generator.vae.model.` (VQGAN_PREFIXES).
   pretrain.init_from    OpenAI CLIP (the TorchScript `ViT-B-32.pt`, or any file holding
                         `visual.transformer.resblocks.*`) -> the encoder's first `depth` blocks,
                         as the original initialises stage 1; the other encoder parameters keep
@@ -24,6 +26,9 @@ from procap_jax.convert import common
 from procap_jax.convert import torch_files
 
 CLIP_MARK = 'visual.transformer.resblocks.0.attn.in_proj_weight'
+# Where a taming VQModel's keys start: its own checkpoint, a ProCap stage-1 BERT (`vae` is the
+# VQGanVAE wrapper, `.model` the VQModel), a ProCap stage-2 MMVID_IDC.
+VQGAN_PREFIXES = ('', 'vae.model.', 'intermediate_generator.vae.model.')
 PROCAP_STAGE1_MARK = 'text_emb.weight'
 
 
@@ -33,6 +38,15 @@ def read(path: str, what: str) -> dict:
     raise common.ConversionError(f'{what} {path} does not exist; download it by hand (README, '
                                  '"Start from the original\'s weights") and give its path')
   return torch_files.state_dict(path)
+
+
+def vqgan_state(state: dict) -> dict:
+  """The taming VQModel keys of `state`, wherever in VQGAN_PREFIXES they sit (unprefixed)."""
+  from procap_jax.convert import taming
+  for prefix in VQGAN_PREFIXES:
+    if prefix + taming.MARK in state:
+      return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+  return state  # taming.convert says what is missing
 
 
 def pretrain_source(state: dict) -> str:
@@ -54,7 +68,7 @@ def converted(stage: str, config: ml_collections.ConfigDict, path: str) -> dict:
   from procap_jax.convert import procap_stage2
   from procap_jax.convert import taming
   if stage == 'tokenizer':
-    state = read(path, 'the taming VQGAN checkpoint')
+    state = vqgan_state(read(path, 'the taming VQGAN checkpoint'))
     return taming.convert(state, config.tokenizer.model.to_dict(),
                           drop_unused_attention=config.tokenizer.init_drop_unused_attention)
   if stage == 'pretrain':
