@@ -30,13 +30,17 @@ From Python, `Captioner` keeps the model loaded for many pairs:
   print(captioner('before.png', 'after.png'))           # paths, PIL images or uint8 arrays
   captions = captioner.caption_batch(befores, afters)   # lists of the same
 
-This module imports no training code (no optax, grain, TFDS or task modules): JAX, flax, orbax
-and the model definitions only, and those only once the inputs are checked. The first start
-compiles the model; XLA's compilation cache, kept in `W/caption/xla_cache` when the workdir is
-writable, makes later starts skip most of that.
+This module imports no training code (no optax, grain, TFDS or task modules): JAX, flax and
+the model definitions only, and those only once the inputs are checked. The first start
+restores the checkpoints (orbax) and compiles the model; it keeps both results in
+`W/caption/inference_cache/` when the workdir is writable (`params.npz`: the caption and
+tokenizer parameters, about a third of a checkpoint's size, remade when a checkpoint or
+config.json changes; `xla/`: XLA's compilation cache), so later starts skip most of that work.
+`bench/caption_startup.py` measures it.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -124,18 +128,88 @@ def _build_model(config: ml_collections.ConfigDict):
                                  stage2_mask=m.stage2_mask, dtype=dtype)
 
 
+CACHE_DIR = os.path.join('caption', 'inference_cache')  # under the workdir
+
+
 def _use_compilation_cache(directory: str) -> None:
-  """XLA's persistent compilation cache in `directory`, unless one is set or it is read-only."""
+  """XLA's persistent compilation cache in `directory`, unless one is set already."""
   import jax
-  if jax.config.jax_compilation_cache_dir:
-    return  # the caller's (e.g. the test session's)
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError:
-    return
-  if os.access(directory, os.W_OK):
+  if not jax.config.jax_compilation_cache_dir:  # else the caller's (e.g. the test session's)
     jax.config.update('jax_compilation_cache_dir', directory)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+def _checkpoints_key(workdir: str, which: str) -> str:
+  """What the cached parameters were made from: the caption and tokenizer checkpoints restored
+  (folder, step, and the step folder's inode and time: a retrained step is a new folder) and
+  the run's config.json."""
+  parts = []
+  for stage, pick in (('caption', which), ('tokenizer', 'best')):
+    folder = config_lib.checkpoint_dir(workdir, stage, pick)
+    step = max((n for n in os.listdir(folder) if n.isdigit()), key=int)
+    st = os.stat(os.path.join(folder, step))
+    parts.append(f'{os.path.relpath(folder, workdir)}/{step}:{st.st_ino}:{st.st_mtime_ns}')
+  with open(os.path.join(workdir, 'config.json'), 'rb') as f:
+    parts.append(hashlib.sha256(f.read()).hexdigest())
+  return ' '.join(parts)
+
+
+def _flat(prefix: str, tree: dict, out: dict) -> dict:
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      _flat(f'{prefix}/{k}', v, out)
+    else:
+      out[f'{prefix}/{k}'] = np.asarray(v)
+  return out
+
+
+def _nested(flat: dict, prefix: str) -> dict:
+  tree: dict = {}
+  for key, value in flat.items():
+    if key.startswith(prefix + '/'):
+      node = tree
+      *path, leaf = key[len(prefix) + 1:].split('/')
+      for part in path:
+        node = node.setdefault(part, {})
+      node[leaf] = value
+  return tree
+
+
+def load_parameters(workdir: str, which: str = 'best', config=None,
+                    cache: bool = True) -> tuple[dict, dict, int]:
+  """(caption params, tokenizer params, caption step) of a run, as host numpy trees.
+
+  From `W/caption/inference_cache/params.npz` when it was made from the same checkpoints and
+  config.json; otherwise restored with `checkpointing` (checking the checkpoint's config against
+  the run's) and, with `cache` and a writable workdir, saved there for the next start.
+  """
+  path = os.path.join(workdir, CACHE_DIR, 'params.npz')
+  key = _checkpoints_key(workdir, which)
+  if cache and os.path.isfile(path):
+    try:
+      with np.load(path, allow_pickle=False) as f:
+        flat = {k: f[k] for k in f.files}
+      if str(flat.pop('key')) == key:
+        return _nested(flat, 'caption'), _nested(flat, 'tokenizer'), int(flat.pop('step'))
+    except (OSError, ValueError, KeyError):
+      pass  # unreadable (e.g. cut by a full disk): restore and write it again
+  from procap_jax import checkpointing
+  meta = checkpointing.read_meta(workdir, 'caption', which)
+  if meta:
+    checkpointing.check_config_compatible(meta.get('config'), config or load_run_config(workdir),
+                                          'caption')
+  restored = checkpointing.load_stage_variables(workdir, 'caption', which)
+  tokenizer = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
+  params, step = restored['params'], int(restored['step'])
+  flat = _flat('tokenizer', tokenizer, _flat('caption', params, {}))
+  if cache and all(a.dtype.kind in 'biuf' for a in flat.values()):
+    try:
+      with errors.atomic_path(path) as tmp:
+        with open(tmp, 'wb') as buf:
+          np.savez(buf, key=np.str_(key), step=np.int64(step), **flat)
+    except (errors.UserError, OSError):
+      pass  # a read-only workdir: no cache, the next start restores again
+  return params, tokenizer, step
 
 
 class Captioner:
@@ -153,7 +227,7 @@ class Captioner:
   """
 
   def __init__(self, workdir: str, which: str = 'best', *, batch_size: int = 16,
-               notify: Callable[[str], None] | None = None, compilation_cache: bool = True):
+               notify: Callable[[str], None] | None = None, cache: bool = True):
     """Checks `workdir` (UserError naming what is missing) and restores its caption model.
 
     Args:
@@ -161,16 +235,22 @@ class Captioner:
       which: 'best' (on validation; else the latest) or 'latest' caption checkpoint.
       batch_size: most pairs decoded in one call.
       notify: called with a line for each image converted or too small (None: silent).
-      compilation_cache: keep XLA's compiled programs in `workdir/caption/xla_cache` (when
-        no cache is configured yet and the folder is writable; sets JAX's global cache
-        options), so the next start need not compile again.
+      cache: use and fill `workdir/caption/inference_cache/` (module docstring) when the
+        workdir is writable; the XLA cache only when none is configured yet (this sets JAX's
+        global cache options).
     """
     self.config = check_run(workdir, which)
     self.workdir, self.batch_size, self.notify = workdir, int(batch_size), notify
-    if compilation_cache:
-      _use_compilation_cache(os.path.join(workdir, 'caption', 'xla_cache'))
+    cache_dir = os.path.join(workdir, CACHE_DIR)
+    if cache:
+      try:
+        os.makedirs(cache_dir, exist_ok=True)
+        cache = os.access(cache_dir, os.W_OK)
+      except OSError:  # a read-only workdir: no cache
+        cache = False
+    if cache:
+      _use_compilation_cache(os.path.join(cache_dir, 'xla'))
     import jax
-    from procap_jax import checkpointing
     from procap_jax.data import vocab as vocab_lib
     from procap_jax.models import captioner as captioner_lib
     from procap_jax.models import vqgan
@@ -180,13 +260,7 @@ class Captioner:
           f'the vocabulary {vocab_path(self.config, workdir)} has {self.vocab.size} words but '
           f'the run was trained with {self.config.caption.model.vocab_size}; restore the '
           'vocabulary file the run was trained with')
-    meta = checkpointing.read_meta(workdir, 'caption', which)
-    if meta:
-      checkpointing.check_config_compatible(meta.get('config'), self.config, 'caption')
-    restored = checkpointing.load_stage_variables(workdir, 'caption', which)
-    self.step = int(restored['step'])
-    params = restored['params']
-    tokenizer_params = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
+    params, tokenizer_params, self.step = load_parameters(workdir, which, self.config, cache)
     model = _build_model(self.config)
     tokenizer = vqgan.frozen(self.config.tokenizer.model)
     d = self.config.caption.decoding
@@ -285,8 +359,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     raise errors.UserError(f'--batch_size must be positive, got {args.batch_size}')
   config = check_run(args.workdir, args.which)  # the run first: a wrong --workdir fails at once
   pairs, rule = pairs_from_args(args)
-  if len(pairs) > 1:
-    _notice(f'{len(pairs)} pairs, paired {rule}')
+  if len(pairs) > 1 or args.before_dir:
+    _notice(f'{len(pairs)} pair{"s" if len(pairs) > 1 else ""}, paired {rule}')
   size = int(config.data.image_size)
   loaded = []  # every bad image fails before the (slower) model restore
   for b, a in pairs:

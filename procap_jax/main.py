@@ -7,8 +7,10 @@ r"""Entry point: runs the stages of a config in order, skipping finished ones.
 
 Modes: `train` (default: build the dataset if needed, train every stage in `config.stages`,
 then evaluate the best caption checkpoint on test and write W/results.json and W/report.html),
-`evaluate` (restore a caption checkpoint and score a split), `build` (only build the dataset
-and print its statistics).
+`evaluate` (restore a caption checkpoint and score a split; it first checks that W is a run made
+with this config's model/data sections, with caption and tokenizer checkpoints, and that the
+dataset is built, and builds nothing), `build` (only build the dataset and print its
+statistics). Every mode refuses a W made with another model/data setup before building anything.
 
 Multi-process (one process per host): set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
 JAX_PROCESS_ID (see README); `jax.distributed.initialize` is called before anything else.
@@ -91,7 +93,8 @@ def _evaluate(config, workdir: str, split: str, which: str) -> dict:
   from procap_jax.data import pipeline
 
   errors.remove_stale_temp_files(workdir)
-  stages.prepare_data(config, workdir)  # the dataset is built: at most its scores file
+  # No prepare_data: the dataset is built, and the captioner reads only the before and after
+  # images, so a missing confidence-scores file (keyframes) does not change what is scored.
   pipeline.resolve_vocab_sizes(config, workdir)
   return stages.evaluate_caption(config, workdir, split, which)
 

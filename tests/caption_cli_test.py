@@ -128,7 +128,8 @@ def test_bad_preset_lists_presets_and_variants():
   from configs import synthetic
   with pytest.raises(ValueError) as info:
     synthetic.get_config('qick')
-  assert 'presets: tiny, quick, default' in str(info.value) and 'static' in str(info.value)
+  assert 'the presets are tiny, quick, default' in str(info.value)
+  assert 'static, no_queries' in str(info.value)
 
 
 # ------------------------------------------------------------------------ caption command
@@ -240,3 +241,38 @@ def test_vocab_path_without_tfds(tmp_path):
   version.mkdir(parents=True)
   (version / 'word2idx.json').write_text(json.dumps({'[PAD]': 0}))
   assert caption.vocab_path(config, str(tmp_path / 'run')) == str(version / 'word2idx.json')
+
+
+def test_parameters_cache_follows_the_checkpoints(tmp_path, monkeypatch):
+  """The caption command's second start reads W/caption/inference_cache/params.npz instead of
+  the orbax checkpoints, until a checkpoint (or config.json) changes."""
+  from procap_jax import caption
+  from procap_jax import checkpointing
+  run = _fake_run(tmp_path / 'run', stages=())
+
+  def save(stage: str, step: int, value: float) -> None:
+    ckpts = checkpointing.StageCheckpoints(str(run / stage))
+    state = {'params': {'enc': {'w': np.full((2, 3), value, np.float32)}}, 'model_state': {},
+             'opt_state': {'mu': np.zeros(3, np.float32)}}
+    ckpts.save(step, state, {}, {}, best=True)
+    ckpts.close()
+
+  save('caption', 5, 1.0)
+  save('tokenizer', 3, 2.0)
+  params, tokenizer, step = caption.load_parameters(str(run))
+  assert step == 5 and params['enc']['w'][0, 0] == 1.0 and tokenizer['enc']['w'][1, 2] == 2.0
+  assert (run / 'caption' / 'inference_cache' / 'params.npz').is_file()
+
+  def no_restore(*args, **kwargs):
+    raise AssertionError('restored although the cache is current')
+
+  with monkeypatch.context() as m:
+    m.setattr(checkpointing, 'load_stage_variables', no_restore)
+    cached, cached_tokenizer, cached_step = caption.load_parameters(str(run))
+  assert cached_step == 5
+  np.testing.assert_array_equal(cached['enc']['w'], params['enc']['w'])
+  np.testing.assert_array_equal(cached_tokenizer['enc']['w'], tokenizer['enc']['w'])
+  save('caption', 6, 7.0)  # a newer best checkpoint: the cache is made again
+  params, _, step = caption.load_parameters(str(run))
+  assert step == 6 and params['enc']['w'][0, 0] == 7.0
+  assert caption.load_parameters(str(run), cache=False)[2] == 6
