@@ -36,8 +36,9 @@ Files, `<prefix>` = stage1_small (committed, ~1.4 MB in all) or stage1_paper:
                            the step, lr_schedule (the lr of updates 0..11), the trainable
                            parameter names in optimizer order, sizes.
 
-Stand-ins (the original's modules need torchvision, imageio and dominate, absent here): inert
-modules for their imports; only RandomErasing does anything (see above). Small size only:
+Stand-ins: bench/original.py's (inert torchvision, imageio, dominate, ...), with RandomErasing
+replaced by the pinned masks above; that module also builds the BERT, its arguments and its
+optimiser as train_stage1.py does. Small size only:
 `clip_model.VisualTransformer` is given 4 heads, because build_model derives heads as
 width // 64 and the small width is 40; the paper size needs no such patch (768 // 64 = 12).
 Never collected by pytest (no test_ prefix); tests/parity_stage1_test.py reads the outputs
@@ -54,6 +55,9 @@ import types
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench import original  # pylint: disable=wrong-import-position
+
 SCHEDULE_UPDATES = 12  # the first lrs of the original's schedule, recorded for the test
 SIZES = {
     # width 40 with 4 heads (head dim 10), 2 of the archive's 3 blocks, grid 3x3 (N = 9).
@@ -67,21 +71,6 @@ SIZES = {
 }
 
 
-class _Inert:
-  """Any name imported from a stubbed module (never used on the paths run here)."""
-
-  def __init__(self, *args, **kwargs):
-    del args, kwargs
-
-
-class _StubModule(types.ModuleType):
-
-  def __getattr__(self, name):
-    if name.startswith('__'):
-      raise AttributeError(name)
-    return _Inert
-
-
 class KeepMasks:
   """Stand-in for torchvision's RandomErasing: returns the next fixed keep-mask (1 = keep)."""
   queue: list = []
@@ -91,16 +80,6 @@ class KeepMasks:
 
   def __call__(self, x):
     return KeepMasks.queue.pop(0).reshape(x.shape).to(x)
-
-
-def _install_stubs():
-  for name in ('torchvision', 'torchvision.transforms', 'torchvision.io', 'torchvision.utils',
-               'imageio', 'dominate', 'dominate.tags'):
-    sys.modules[name] = _StubModule(name)
-    parent, _, child = name.rpartition('.')
-    if parent:
-      setattr(sys.modules[parent], child, sys.modules[name])
-  sys.modules['torchvision.transforms'].RandomErasing = KeepMasks
 
 
 class _PinnedNumpy:
@@ -236,24 +215,6 @@ def _inputs(rng, s):
               fully_masked=mask.reshape(b, -1).all(-1), corruption=np.asarray(kinds))
 
 
-def _script_args(s, clip_path):
-  """The original's args for scripts/train_clevr_stage1.sh at this size (process_args)."""
-  from utils import utils_args
-  argv = sys.argv
-  sys.argv = ['train_stage1.py', '--name', 'parity', '--image_text_folder', '.',
-              '--dataset', 'h5_text', '--beit', '--num_visuals', '0', '--fullvc',
-              '--batch_size', str(s['batch']), '--text_seq_len', str(s['text_len']),
-              '--num_targets', str(s['frames']), '--frame_num', str(s['frames']),
-              '--image_size', str(s['grid'] * 16), '--rel_no_fully_masked',
-              '--vision_layers', str(s['depth']), '--dim', str(s['width']),
-              '--openai_clip_model_path', clip_path]
-  try:
-    args = utils_args.process_args(train=True)
-  finally:
-    sys.argv = argv
-  return args
-
-
 def _check_fp32_loading(torch, clip_model, s, tmp):
   """What the original's loading does to an fp32 archive: prints whether it rounds."""
   path = os.path.join(tmp, 'clip_fp32.pt')
@@ -295,14 +256,12 @@ def main():
   os.makedirs(opts.out, exist_ok=True)
   start = time.time()
 
-  _install_stubs()
-  sys.path.insert(0, os.path.abspath(opts.original))
+  original.install_stand_ins(opts.original, random_erasing=KeepMasks)
   import torch
   from torch import nn
   from deepspeed.runtime import lr_schedules  # what prepare_lr_scheduler('warmuplr') builds
   from src.mmvid_pytorch import dalle_beit
   from src.mmvid_pytorch.transformers import clip_model
-  from utils import utils_train
 
   torch.manual_seed(opts.seed)
   rng = np.random.default_rng(opts.seed)
@@ -330,28 +289,19 @@ def main():
       2 * b * t, s['grid'], s['grid'], s['feature_dim']))
   codes = torch.from_numpy(x['codes'].reshape(b * t, n))
   vae = _fake_vae(torch, nn, feats, codes, s)
-  args = _script_args(s, clip_path)
-  dalle_params = dict(
-      num_text_tokens=s['text_vocab'], text_seq_len=args.text_seq_len, dim=args.dim,
-      loss_img_weight=args.loss_img_weight, text_feature_dim=0,
-      fixed_language_model=args.fixed_language_model,
-      text_emb_bottleneck=args.text_emb_bottleneck, which_transformer=args.which_transformer,
-      num_targets=args.num_targets, num_visuals=args.num_visuals,
-      use_separate_visual_emb=args.use_separate_visual_emb, insert_sep=args.insert_sep,
-      openai_clip_path=args.openai_clip_model_path, vision_layers=args.vision_layers,
-      rel=args.beta_rel > 0, vid=args.beta_vid > 0)
-  model = dalle_beit.BERT(vae=vae, cvae=None, **dalle_params)
+  args = original.stage1_args(batch=s['batch'], text_len=s['text_len'], frames=s['frames'],
+                              image_size=s['grid'] * 16, depth=s['depth'], width=s['width'],
+                              clip_path=clip_path)
+  model = original.bert(vae, args, s['text_vocab'])
   _perturb(torch, nn.ModuleDict({k: getattr(model, k) for k in (
       'conv_to_embedding', 'to_logits', 'to_logits_rel', 'to_logits_vid')}))
   with torch.no_grad():
     model.image_mask.add_(torch.randn_like(model.image_mask))
-  trainable = [p for p in model.parameters() if p.requires_grad]
   names = [k for k, p in model.named_parameters() if p.requires_grad]
-  opt = utils_train.get_optimizer(args, trainable)
-  scheduler = lr_schedules.WarmupLR(opt, 1e-6, args.learning_rate, args.lr_scheduler_warmup)
-  del scheduler  # constructing it sets the first lr; stepped only after the update
+  opt, _ = original.stage1_optimizer(args, model)  # stepped only after the update
   lr_schedule = _schedule(torch, lr_schedules, args, SCHEDULE_UPDATES)
-  hparams = dalle_params  # what train_stage1.py stores (sizes of vae/heads are not in it)
+  # What train_stage1.py stores (sizes of vae/heads are not in it).
+  hparams = original.stage1_params(args, s['text_vocab'])
   torch.save({'iter': 0, 'hparams': hparams, 'vae_params': None,
               'weights': model.state_dict(), 'optimizer': opt.state_dict()},
              os.path.join(opts.out, f'{s["prefix"]}_init.pt'))
@@ -370,15 +320,8 @@ def main():
   target = _id_images(torch, torch.arange(b * t).reshape(b, t), vae.image_size)
   text = torch.from_numpy(x['text'])
   model.train()
-  loss_msm, loss_rel, loss_vid = model(
-      text, visual=None, target=target, erase_visual=args.rand_visual, return_loss=True,
-      rel=args.beta_rel > 0, vid=args.beta_vid > 0, msm_strategy_prob=args.msm_strategy_prob,
-      msm_bernoulli_prob=args.msm_bernoulli_prob, vid_strategy_prob=args.vid_strategy_prob,
-      rel_no_fully_masked=args.rel_no_fully_masked, negvc=args.negvc, visual_neg=None,
-      text_neg=None, pc_prob=args.pc_prob, vc_mode=args.vc_mode, face_mode=None,
-      visual_aug_mode=args.visual_aug_mode)
+  loss_msm, loss_rel, loss_vid, loss = original.stage1_forward(model, args, text, target)
   assert not KeepMasks.queue and not strategies, 'the pinned masks were not all used'
-  loss = args.beta_msm * loss_msm + args.beta_rel * loss_rel + args.beta_vid * loss_vid
   forward_time = time.time() - start
 
   # ---- one update, as train_stage1.py

@@ -6,14 +6,16 @@
       --out /tmp/parity_stage2_paper --size paper       # the paper's captioner, not committed
 
 The model is the original's `src.mmvid_idc.MMVID_IDC` built from `config/mmvid_clevr_config.yaml`
-with the sizes of `--size` (`SIZES`), from the source tree `--original` (read only), with
-stand-ins for what the CPU venv lacks or what is not ours to test:
+with the sizes of `--size` (`SIZES`), from the source tree `--original` (read only), by
+bench/original.py (which also sets up train_stage2.py's optimiser), with stand-ins for what the
+CPU venv lacks or what is not ours to test:
   - the VQGAN (`get_vae_model`): a frozen stand-in whose `model.encoder` returns given feature
     maps (the frame's index is written in its pixel [0, 0, 0]), with a few `vae.*` tensors in
     the state dict as the real checkpoint has;
   - the CLIP blocks: OpenAI's `ViT-B-32.pt` is not loaded; `clip_model.build_model` returns the
-    original's own `Transformer(width, depth, heads)` (its `resblocks` are what stage 2 keeps);
-  - torchvision, pycocoevalcap, pycocotools and nltk: empty modules (imported, never used here).
+    original's own `Transformer(width, depth, heads)` (its `resblocks` are what stage 2 keeps;
+    `original.random_clip`);
+  - torchvision, pycocoevalcap, pycocotools and nltk: inert modules (imported, never used here).
 Every parameter is random from `--seed`: norms, biases and `image_mask` too (constant-initialised
 tensors get N(0, 0.1) added, `image_mask` is N(0, 1)). The text table is replaced by one of
 `text_vocab + 25` rows, as train_stage2.py's stage-1 load does (`param.data = ...`, so released
@@ -54,10 +56,12 @@ import json
 import os
 import sys
 import time
-import types
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench import original  # pylint: disable=wrong-import-position
 
 SIZES = {
     'small': dict(width=48, depth=2, heads=4, grid=3, feature_dim=16, codebook=16, text_vocab=8,
@@ -80,33 +84,6 @@ SPECIALS = ('[PAD]', '[CLS]', '[SEP]', '[VID]', '[BOS]', '[EOS]', '[UNK]', '[MAS
 
 
 # ----------------------------------------------------------------------------- stand-ins
-
-
-def _install_stand_ins(original: str) -> None:
-  """Empty modules for imports the code paths used here never call."""
-  tv = types.ModuleType('torchvision')
-  tv.models = types.ModuleType('torchvision.models')
-  tv.transforms = types.ModuleType('torchvision.transforms')
-
-  class Unused:
-    def __init__(self, *args, **kwargs):
-      del args, kwargs
-
-  for name in ('RandomErasing', 'Compose', 'Resize'):
-    setattr(tv.transforms, name, Unused)
-  tv.models.resnet50 = Unused
-  coco_eval = types.ModuleType('pycocoevalcap.eval')
-  coco_eval.COCOEvalCap = Unused
-  coco = types.ModuleType('pycocotools.coco')
-  coco.COCO = Unused
-  for name, module in (('torchvision', tv), ('torchvision.models', tv.models),
-                       ('torchvision.transforms', tv.transforms),
-                       ('pycocoevalcap', types.ModuleType('pycocoevalcap')),
-                       ('pycocoevalcap.eval', coco_eval),
-                       ('pycocotools', types.ModuleType('pycocotools')),
-                       ('pycocotools.coco', coco), ('nltk', types.ModuleType('nltk'))):
-    sys.modules[name] = module
-  sys.path.insert(0, os.path.abspath(original))
 
 
 class FeatureEncoder(torch.nn.Module):
@@ -134,30 +111,11 @@ class StandInVAE(torch.nn.Module):
     self.num_layers, self.image_size, self.num_tokens = 4, grid * 16, codebook
 
 
-def _build(original: str, size: dict, vocab_size: int):
+def _build(original_dir: str, size: dict, vocab_size: int):
   """The original MMVID_IDC at `size`, its config (EasyDict) and the stand-in VAE."""
-  import yaml  # pylint: disable=import-outside-toplevel
-  from easydict import EasyDict  # pylint: disable=import-outside-toplevel
-  from src import mmvid_idc  # pylint: disable=import-outside-toplevel
-  from src.mmvid_pytorch.transformers import clip_model  # pylint: disable=import-outside-toplevel
-
-  with open(os.path.join(original, 'config', 'mmvid_clevr_config.yaml')) as f:
-    cfg = EasyDict(yaml.safe_load(f))
-  bert = cfg.dalle_param.bert
-  bert.dim, bert.vision_layers, bert.num_targets = size['width'], size['depth'], NUM_TARGETS
-  dec = cfg.decoder_param
-  dec.hidden_size, dec.intermediate_size = size['hidden'], size['ffn']
-  dec.num_hidden_layers, dec.num_attention_heads = size['layers'], size['dec_heads']
-  dec.vocab_size, dec.mask_token_id = vocab_size, 7  # as train_stage2.main sets them
-  cfg.lr, cfg.lr_finetune = 5e-5, 2e-5  # YAML lr; lr_finetune = the CLI default that wins
+  cfg = original.stage2_config(original_dir, dict(size, frames=NUM_TARGETS), vocab_size)
   vae = StandInVAE(size['grid'], size['feature_dim'], size['codebook'])
-  mmvid_idc.get_vae_model = lambda *args, **kwargs: (vae, None)
-  # No ViT-B-32.pt: an empty 'TorchScript module' whose state dict build_model (below) ignores.
-  torch.jit.load = lambda *args, **kwargs: types.SimpleNamespace(state_dict=dict)
-  clip_model.build_model = lambda state, vision_layers=12: types.SimpleNamespace(
-      visual=types.SimpleNamespace(transformer=clip_model.Transformer(
-          size['width'], vision_layers, size['heads'])))
-  model = mmvid_idc.MMVID_IDC(cfg)
+  model = original.mmvid_idc(cfg, vae, size['heads'])
   return model, cfg, vae
 
 
@@ -265,26 +223,6 @@ def _greedy(model, batch, clip) -> tuple[np.ndarray, np.ndarray]:
   return np.concatenate(rows).astype(np.int32), np.array(margins, np.float32)
 
 
-def _optimiser(model, opt_module):
-  """train_stage2.train's optimiser: four groups of BertAdam, warmup_linear over T_TOTAL."""
-  named = list(model.named_parameters())
-  no_decay = ['bias', 'LayerNorm.bias', 'LayerNorm.weight']
-  table, groups = {}, [[], [], [], []]
-  for name, p in named:
-    encoder = name.startswith('intermediate_generator')
-    decay = not any(nd in name for nd in no_decay)
-    g = (0 if decay else 1) if encoder else (2 if decay else 3)
-    groups[g].append(p)
-    table[name] = (g, bool(p.requires_grad))
-  grouped = [{'params': groups[0], 'weight_decay': 0.01, 'lr': 2e-5},
-             {'params': groups[1], 'weight_decay': 0.0, 'lr': 2e-5},
-             {'params': groups[2], 'weight_decay': 0.01},
-             {'params': groups[3], 'weight_decay': 0.0}]
-  optimizer = opt_module.BertAdam(grouped, lr=5e-5, warmup=0.1, t_total=T_TOTAL,
-                                  schedule='warmup_linear')
-  return optimizer, table
-
-
 def _step(model, optimizer, batch, clip) -> float:
   optimizer.zero_grad()
   loss, _ = _loss(model, batch, clip)
@@ -325,8 +263,7 @@ def main():
   if args.warm_steps is not None:
     size['warm_steps'] = args.warm_steps
   start = time.time()
-  _install_stand_ins(args.original)
-  from src.rtransformer import optimization  # pylint: disable=import-outside-toplevel
+  original.install_stand_ins(args.original)
   torch.manual_seed(args.seed)
   rng = np.random.default_rng(args.seed)
   word2idx = _vocab(args.original, args.size)
@@ -339,7 +276,7 @@ def main():
   print(f'warm-up loss {warm[0]:.3f} -> {warm[-1]:.3f} ({len(warm)} steps)', flush=True)
 
   sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-  optimizer, table = _optimiser(model, optimization)
+  optimizer, table = original.stage2_optimizer(model, T_TOTAL)
   prefix = os.path.join(args.out, f'stage2_{args.size}')
   os.makedirs(args.out, exist_ok=True)
   opt_ns = argparse.Namespace(**{k: v for k, v in cfg.items()})

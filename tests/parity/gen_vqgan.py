@@ -5,13 +5,14 @@
   /work/venv-torch/bin/python tests/parity/gen_vqgan.py --original /work/orig/ProCap \
       --out /tmp/parity_paper --size paper              # the paper's tokenizer, not committed
 
-The model is built from the original source tree (`--original`, read-only) with stand-ins for
-what the CPU venv lacks: a `pytorch_lightning` whose LightningModule is torch.nn.Module, and a
-loss module holding a few `loss.*` tensors (as a real checkpoint's LPIPS/discriminator do) that
-the converter must ignore. Every parameter is random from `--seed`, norms and biases included
-(N(1, 0.2) scales, N(0, 0.1) biases), so a converter that drops them cannot pass. The codebook
-is drawn around the encoder's actual outputs so the test images use many codes, and the
-generator refuses a draw whose nearest-code choice is nearly tied (float rounding could flip it).
+The model is built from the original source tree (`--original`, read-only) by bench/original.py
+with its stand-ins for what the CPU venv lacks: a `pytorch_lightning` whose LightningModule is
+torch.nn.Module, and a loss module holding a few `loss.*` tensors (as a real checkpoint's
+LPIPS/discriminator do) that the converter must ignore. Every parameter is random from `--seed`,
+norms and biases included (N(1, 0.2) scales, N(0, 0.1) biases), so a converter that drops them
+cannot pass. The codebook is drawn around the encoder's actual outputs so the test images use
+many codes, and the generator refuses a draw whose nearest-code choice is nearly tied (float
+rounding could flip it).
 
 Files in `--out`:
   vqgan.ckpt    `torch.save({'state_dict': sd, 'epoch': 0, 'global_step': 0, ...})`, zipfile
@@ -37,45 +38,16 @@ import json
 import os
 import sys
 import time
-import types
 
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench import original  # pylint: disable=wrong-import-position
+
 SMALL = dict(ch=32, ch_mult=(2, 1), num_res_blocks=1, attn_resolutions=(16,), resolution=32,
              z_channels=16, embed_dim=12, n_embed=67)
-PAPER = dict(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, attn_resolutions=(16,),
-             resolution=224, z_channels=256, embed_dim=256, n_embed=1024)
-
-
-class StubLoss(torch.nn.Module):
-  """Stands in for VQLPIPSWithDiscriminator: a few tensors under `loss.` like the real one."""
-
-  def __init__(self, **unused):
-    super().__init__()
-    self.discriminator = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 4, 2, 1))
-    self.register_buffer('logvar', torch.zeros(()))
-
-
-def _install_stand_ins(original: str) -> None:
-  """Makes the original's `taming` importable without pytorch_lightning or the LPIPS loss."""
-  lightning = types.ModuleType('pytorch_lightning')
-  lightning.LightningModule = torch.nn.Module
-  sys.modules['pytorch_lightning'] = lightning
-  stub = types.ModuleType('parity_stub_loss')
-  stub.StubLoss = StubLoss
-  sys.modules['parity_stub_loss'] = stub
-  sys.path.insert(0, os.path.abspath(original))
-
-
-def _build(cfg: dict) -> torch.nn.Module:
-  from taming.models import vqgan  # pylint: disable=import-outside-toplevel
-  ddconfig = dict(double_z=False, z_channels=cfg['z_channels'], resolution=cfg['resolution'],
-                  in_channels=3, out_ch=3, ch=cfg['ch'], ch_mult=list(cfg['ch_mult']),
-                  num_res_blocks=cfg['num_res_blocks'],
-                  attn_resolutions=list(cfg['attn_resolutions']), dropout=0.0)
-  return vqgan.VQModel(ddconfig=ddconfig, lossconfig={'target': 'parity_stub_loss.StubLoss'},
-                       n_embed=cfg['n_embed'], embed_dim=cfg['embed_dim']).eval()
+PAPER = original.PAPER_VQGAN
 
 
 def _randomise(model: torch.nn.Module, images01: torch.Tensor, float16: bool) -> None:
@@ -137,9 +109,9 @@ def main():
   args = parser.parse_args()
   cfg = dict(SMALL if args.size == 'small' else PAPER)
   float16 = args.size == 'small'
-  _install_stand_ins(args.original)
+  original.install_stand_ins(args.original)
   torch.manual_seed(args.seed)
-  model = _build(cfg)
+  model = original.vqmodel(cfg)
   s = cfg['resolution']
   # Smooth random images (a coarse grid upsampled bilinearly plus a little noise), in [0, 1].
   coarse = torch.rand(args.batch, 3, s // 8, s // 8)
