@@ -104,13 +104,16 @@ def test_a_checkpoint_from_before_frame_difference_differs_from_a_config_that_tu
       assert all('frame_difference' in d for d in diffs)
 
 
-def test_paper_configs_keep_the_original_frame_tokens_and_cpu_smoke_configs_do_not():
-  """The paper-size configs build the original's encoder (no difference input, so original
-  checkpoints load); the CPU smoke presets take the synthetic default's switch."""
+def test_paper_configs_keep_the_original_switches_and_cpu_smoke_configs_do_not():
+  """The paper-size configs build and train the original's encoder (no difference input, so
+  original checkpoints load; N(0, 1) tables; binary heads on masked frames); the CPU smoke
+  presets take the synthetic presets' three switches (docs/fidelity.md)."""
   from configs import clevr_change, image_editing_request, spot_the_diff
+  switches = lambda c: (c.pretrain.model.frame_difference, c.pretrain.model.embedding_std,
+                        c.pretrain.binary_inputs)
   for module in (clevr_change, spot_the_diff, image_editing_request):
-    assert module.get_config('paper').pretrain.model.frame_difference == 'none'
-    assert module.get_config('cpu').pretrain.model.frame_difference == 'before'
+    assert switches(module.get_config('paper')) == ('none', 1.0, 'masked')
+    assert switches(module.get_config('cpu')) == ('before', 0.02, 'visible')
 
 
 def test_stage1_text_is_clip_bpe_in_the_paper_configs_only(monkeypatch):
