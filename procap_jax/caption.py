@@ -105,27 +105,9 @@ def check_run(workdir: str, which: str = 'best') -> ml_collections.ConfigDict:
 
 
 def _build_model(config: ml_collections.ConfigDict):
-  """`tasks.caption.build_model` without the training modules it imports (a test checks the
-  two give equal modules)."""
-  import jax.numpy as jnp
+  """The run's Captioner (`models.captioner.from_config`, as training builds it)."""
   from procap_jax.models import captioner as captioner_lib
-  from procap_jax.models import decoder as decoder_lib
-  from procap_jax.models import procedure_encoder
-  m = config.caption.model
-  enc = config.pretrain.model.to_dict()
-  enc['grid'] = tuple(enc['grid'])
-  k = enc['num_frames'] - 2
-  if not m.use_queries:
-    enc['num_frames'] = 2
-  dtype = jnp.dtype(config.compute_dtype)
-  encoder = procedure_encoder.ProcedureEncoder(**enc, dtype=dtype)
-  decoder = decoder_lib.CaptionDecoder(
-      vocab_size=m.vocab_size, hidden=m.hidden, heads=m.heads, ffn=m.ffn, layers=m.layers,
-      dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
-      qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
-  return captioner_lib.Captioner(encoder=encoder, decoder=decoder, num_queries=k,
-                                 use_queries=m.use_queries, text_slot=m.text_slot,
-                                 stage2_mask=m.stage2_mask, dtype=dtype)
+  return captioner_lib.from_config(config)
 
 
 CACHE_DIR = os.path.join('caption', 'inference_cache')  # under the workdir
@@ -183,6 +165,7 @@ def load_parameters(workdir: str, which: str = 'best', config=None,
   config.json; otherwise restored with `checkpointing` (checking the checkpoint's config against
   the run's) and, with `cache` and a writable workdir, saved there for the next start.
   """
+  config_lib.check_run(workdir, which)
   path = os.path.join(workdir, CACHE_DIR, 'params.npz')
   key = _checkpoints_key(workdir, which)
   if cache and os.path.isfile(path):
