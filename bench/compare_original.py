@@ -25,8 +25,9 @@ detection (as train_stage2.py ships it) and without, ours; the original's infere
     (`--original_warmup` untimed steps before, 1 at small size).
   - ours: `python -m bench.train_step` (stage pretrain at batch 8, stage caption at batch 32
     pairs) and `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
-    Python with procap_jax; torch never enters that process), XLA on all cores. Their first
-    step (compilation) is not timed.
+    Python with procap_jax; torch never enters that process), XLA on all cores, from
+    `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
+    uncommitted edits out of the measurement). Their first step (compilation) is not timed.
 
 One JSON line per measurement (side, what, batch, step_s = median seconds per step or per
 inference batch, peak_gib, cpu, versions, threads, the micro-batching used), then one line of
@@ -215,11 +216,13 @@ def _json_lines(text: str) -> list[dict]:
   return out
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[list[dict], str | None]:
-  """Runs `cmd` from the repo root; (its JSON lines, an error sentence or None)."""
+def _run(cmd: list[str], timeout: float, tree: str = REPO) -> tuple[list[dict], str | None]:
+  """Runs `cmd` in `tree` (first on PYTHONPATH); (its JSON lines, an error sentence or None)."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (tree, os.environ.get('PYTHONPATH')) if p))
   try:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
   except subprocess.TimeoutExpired:
     return [], f'timed out after {timeout:.0f} s'
   records = _json_lines(proc.stdout)
@@ -238,7 +241,7 @@ def _original(opts, what: str) -> dict:
     cmd += ['--original_warmup', str(opts.original_warmup)]
   if opts.micro:
     cmd += ['--micro', str(opts.micro)]
-  records, error = _run(cmd, opts.timeout)
+  records, error = _run(cmd, opts.timeout, REPO)
   out = dict(records[-1]) if records else {}
   if error:
     out['error'] = error
@@ -258,9 +261,10 @@ def _ours(opts, what: str, versions: dict) -> dict:
         'caption', 2 * BATCH['stage2'])
     cmd = ['-m', 'bench.train_step', '--config', size['config'], '--stage', stage, '--batch',
            str(batch), '--steps', str(opts.steps), *sets]
-  records, error = _run([opts.ours_python, *cmd], opts.timeout)
+  records, error = _run([opts.ours_python, *cmd], opts.timeout, opts.ours_tree)
   rec = records[-1] if records else {}
-  out = dict(jax=versions.get('jax'), threads=os.cpu_count(), command=' '.join(cmd))
+  out = dict(jax=versions.get('jax'), threads=os.cpu_count(), command=' '.join(cmd),
+             tree=opts.ours_tree)
   if error or rec.get('error'):
     out['error'] = error or rec['error']
     return out
@@ -337,6 +341,9 @@ def main():
                       help="torch's threads (XLA uses every core)")
   parser.add_argument('--ours_python', default=shutil.which('python') or 'python',
                       help='the Python with procap_jax installed')
+  parser.add_argument('--ours_tree', default=REPO,
+                      help='the checkout our side runs from (e.g. `git archive HEAD` unpacked, '
+                      'so that edits in progress in this one do not enter the measurement)')
   parser.add_argument('--original_warmup', type=int, default=None,
                       help='untimed original steps first (default per size)')
   parser.add_argument('--micro', type=int, default=0,
