@@ -52,7 +52,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   p = config.pretrain.model
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
   p.text_vocab_size = 49408                      # CLIP BPE's ids (data.encoder_text)
-  p.grid, p.feature_dim, p.codebook_size, p.num_frames = (14, 14), 256, 1024, 4
+  p.grid, p.feature_dim, p.codebook_size = (14, 14), 256, 1024  # T = num_keyframes + 2 = 4
   # Memory only (same values): the 12 blocks as a checkpointed scan and attention in query
   # chunks take stage 1 at batch 8 from 28.8 to 4.9 GiB and stage 2 at batch 32 from 39.2 to
   # 6.2 GiB of compiled memory (docs/performance.md).

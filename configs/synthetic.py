@@ -34,7 +34,8 @@ def _data(preset: str) -> ml_collections.ConfigDict:
   d.manual_dir = ''                    # real datasets only
   d.image_size = {'tiny': 32, 'quick': 32, 'default': 64}[preset]
   d.frame_source = 'frames'            # 'frames' (stored interpolation) | 'oracle' | 'crossfade'
-  d.num_keyframes = 2                  # k: imagined frames between before and after
+  d.num_keyframes = 2                  # k: imagined frames between before and after (the
+                                       # encoder's T = k + 2 frame slots is derived from it)
   d.sampler = 'confidence'             # 'confidence' | 'uniform' | 'topk'
   d.scores_feature = 'stats'           # feature function for the confidence scores file
   d.scores_file = ''                   # '' -> computed next to the dataset; or an official file
@@ -108,7 +109,6 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       mlp_ratio=4,
       text_len=24,
       text_vocab_size=0,               # 0 -> taken from the caption vocabulary at build time
-      num_frames=4,                    # must equal data.num_keyframes + 2
       grid=(8, 8) if small else (8, 8),  # tokens per frame side = image_size / 2**(len(ch_mult)-1)
       feature_dim=32 if small else 64,   # tokenizer z_channels
       codebook_size=64 if small else 256,  # tokenizer n_embed
@@ -265,4 +265,3 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
 
 def _set_k(config: ml_collections.ConfigDict, k: int) -> None:
   config.data.num_keyframes = k
-  config.pretrain.model.num_frames = k + 2

@@ -68,7 +68,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
   grid = (d.image_size // down, d.image_size // down)
   checks = [
       ('pretrain.model.grid', tuple(p.grid), grid),
-      ('pretrain.model.num_frames', p.num_frames, d.num_keyframes + 2),
       ('pretrain.model.feature_dim', p.feature_dim, t.z_channels),
       ('pretrain.model.codebook_size', p.codebook_size, t.n_embed),
   ]
@@ -87,6 +86,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '
                            f'between 0 (no decay) and the {pt.steps} training steps')
+
+
+def encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
+  """The ProcedureEncoder's kwargs: `config.pretrain.model` with the frame count T derived from
+  the one key that says how many frames are imagined, T = data.num_keyframes + 2 (before, k
+  imagined frames, after). A run config saved before T was derived may still carry
+  `pretrain.model.num_frames`; the derived value replaces it."""
+  kwargs = config.pretrain.model.to_dict()
+  kwargs['grid'] = tuple(kwargs['grid'])
+  kwargs['num_frames'] = int(config.data.num_keyframes) + 2
+  return kwargs
 
 
 def check_encoder_text(config: ml_collections.ConfigDict) -> None:
@@ -119,6 +129,8 @@ def workdir_differences(saved: dict, current: dict) -> list[str]:
       a = (saved.get(section) or {}).get(key, earlier)
       b = current[section][key]
       if key == 'model' and isinstance(a, dict):
+        if section == 'pretrain':  # a run from before T was derived from data.num_keyframes
+          a = {k: v for k, v in a.items() if k != 'num_frames'}
         b = dict(b)
         for stage, size in _FILLED_LATER:
           if stage == section and not b.get(size) and size in a:

@@ -13,11 +13,13 @@ import optax
 import pytest
 
 from configs import synthetic
+from procap_jax import config_lib
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import procedure_encoder
 from procap_jax.tasks import caption
+from procap_jax.tasks import caption_optimizer
 
 # ------------------------------------------------------------------ loss
 
@@ -52,14 +54,15 @@ def test_label_smoothing_loss_by_hand():
 
 
 def test_warmup_linear_schedule():
-  sched = caption.warmup_linear(2.0, 100, 0.1)
+  sched = caption_optimizer.warmup_linear(2.0, 100, 0.1)
   got = [float(sched(s)) for s in (0, 5, 10, 55, 100, 120)]
   np.testing.assert_allclose(got, [0.0, 1.0, 2.0, 1.0, 0.0, 0.0], atol=1e-6)
 
 
 def test_bert_adam_two_steps_by_hand():
   lr, wd, eps = 0.5, 0.01, 1e-6
-  tx = caption.bert_adam(caption.warmup_linear(lr, 10, 0.1), weight_decay=wd, eps=eps)
+  tx = caption_optimizer.bert_adam(caption_optimizer.warmup_linear(lr, 10, 0.1), weight_decay=wd,
+                                   eps=eps)
   p0 = {'dense': {'kernel': np.array([1.0, -2.0], np.float32),
                   'bias': np.array([0.5, 0.25], np.float32)}}
   g1 = {'dense': {'kernel': np.array([0.3, -0.1], np.float32),
@@ -98,17 +101,17 @@ def _toy_params() -> dict:
 
 def test_param_groups_frozen_heads_and_learning_rates():
   params = _toy_params()
-  labels = caption.param_labels(params)
+  labels = caption_optimizer.param_labels(params)
   assert labels['encoder']['to_logits']['dense']['kernel'] == 'frozen'
   assert labels['encoder']['image_emb'] == 'frozen'
   assert labels['encoder']['image_mask'] == 'encoder'
   assert labels['memory_mlp']['dense_0']['kernel'] == 'decoder'
-  mask = caption.decay_mask(params)
+  mask = caption_optimizer.decay_mask(params)
   assert mask['encoder']['image_mask'] and not mask['decoder']['output']['bias']
 
   config = synthetic.get_config('tiny')
   config.caption.train.weight_decay = 0.0
-  tx = caption.make_optimizer(config, total_steps=10)
+  tx = caption_optimizer.make_optimizer(config, total_steps=10)
   state = tx.init(params)
   grads = jax.tree.map(lambda x: 0.01 * np.ones_like(x), params)
   new = params
@@ -150,7 +153,7 @@ def _init(model, config, batch, workdir=None):
 
 
 def _stage1_params(config, seed: int = 3, num_frames: int | None = None) -> dict:
-  kwargs = dict(config.pretrain.model.to_dict(), grid=tuple(config.pretrain.model.grid))
+  kwargs = config_lib.encoder_kwargs(config)
   if num_frames:
     kwargs['num_frames'] = num_frames
   encoder = procedure_encoder.ProcedureEncoder(**kwargs)
@@ -281,7 +284,7 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
   model = caption.build_model(config)
   params = nn.meta.unbox(_init(model, config, batch))
   constants = {'tokenizer': {}}
-  tx = caption.make_optimizer(config, steps)
+  tx = caption_optimizer.make_optimizer(config, steps)
   opt_state = tx.init(params)
 
   @jax.jit
@@ -299,7 +302,7 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
     params, opt_state, metrics = train_step(params, opt_state, jax.random.key(i))
     first = first if first is not None else float(metrics['loss_per_word'])
   assert float(metrics['loss_per_word']) < 0.5 * first
-  for head in caption.FROZEN_ENCODER_MODULES:
+  for head in caption_optimizer.FROZEN_ENCODER_MODULES:
     for a, b in zip(jax.tree.leaves(start['encoder'][head]),
                     jax.tree.leaves(params['encoder'][head])):
       np.testing.assert_array_equal(a, b)

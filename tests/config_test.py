@@ -41,11 +41,15 @@ def test_bad_values(key, value, match):
     config_lib.validate(config)
 
 
-def test_inconsistent_grid():
-  config = synthetic.get_config('tiny')
-  config.pretrain.model.num_frames = 5
-  with pytest.raises(errors.UserError, match='num_frames'):
-    config_lib.validate(config)
+def test_the_number_of_frames_has_one_key():
+  """k lives in data.num_keyframes alone: the encoder's T = k + 2 follows it (a variant or an
+  override changes one key), and the encoder section has no second copy to disagree with."""
+  config = synthetic.get_config('tiny,k4')
+  assert config.data.num_keyframes == 4 and 'num_frames' not in config.pretrain.model
+  config_lib.validate(config)
+  assert config_lib.encoder_kwargs(config)['num_frames'] == 6
+  config.data.num_keyframes = 1
+  assert config_lib.encoder_kwargs(config)['num_frames'] == 3
 
 
 def test_workdir_from_another_config(tmp_path):

@@ -40,10 +40,10 @@ def _config(io, fused: bool):
   m = config.pretrain.model
   m.width, m.depth, m.heads = int(io['width']), int(io['depth']), int(io['heads'])
   m.text_len, m.text_vocab_size = int(io['text_len']), int(io['text_vocab_size'])
-  m.num_frames, m.grid = int(io['num_frames']), (int(io['grid']),) * 2
+  m.grid = (int(io['grid']),) * 2
   m.feature_dim, m.codebook_size = int(io['feature_dim']), int(io['codebook_size'])
   config.pretrain.fused_forwards = fused
-  config.data.num_keyframes = m.num_frames - 2
+  config.data.num_keyframes = int(io['num_frames']) - 2
   return config
 
 

@@ -38,6 +38,7 @@ from procap_jax.convert import torch_files
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.tasks import caption
+from procap_jax.tasks import caption_optimizer
 
 FIXTURES = pathlib.Path(os.environ.get('PROCAP_PARITY_DIR')
                         or pathlib.Path(__file__).parent / 'parity' / 'fixtures')
@@ -53,7 +54,7 @@ def config_for(meta: dict, word2idx: str):
   p = config.pretrain.model
   p.width, p.depth, p.heads, p.mlp_ratio = s['width'], s['depth'], s['heads'], 4
   p.text_len, p.text_vocab_size = meta['text_len'], meta['text_rows'] - meta['text_len'] - 1
-  p.num_frames, p.grid = meta['num_targets'], (s['grid'], s['grid'])
+  p.grid = (s['grid'], s['grid'])
   p.feature_dim, p.codebook_size = s['feature_dim'], s['codebook']
   config.data.num_keyframes = meta['num_targets'] - 2
   config.data.word2idx_file = word2idx
@@ -156,8 +157,8 @@ def test_optimiser_groups_are_the_originals(fixture):
   for name, (group, trainable) in meta['groups'].items():  # group 0/1 encoder, 0/2 decayed
     codes[name] = np.full(state[name].shape, 10 * group + trainable, np.float32)
   flat_codes = _flat(procap_stage2.captioner_params(codes, config))
-  labels = _flat(caption.param_labels(fixture['params']))
-  decays = _flat(caption.decay_mask(fixture['params']))
+  labels = _flat(caption_optimizer.param_labels(fixture['params']))
+  decays = _flat(caption_optimizer.decay_mask(fixture['params']))
   for path, code in flat_codes.items():
     group, trainable = divmod(int(code.flat[0]), 10)
     assert (code == code.flat[0]).all(), path
@@ -171,7 +172,7 @@ def test_one_bert_adam_step_matches(fixture):
   """Two steps from the checkpoint on the same batch, as the generator: the first has lr 0
   (BertAdam counts from 0) and moves nothing; the parameters after the second match."""
   io, model, params, meta = fixture['io'], fixture['model'], fixture['params'], fixture['meta']
-  tx = caption.make_optimizer(fixture['config'], meta['t_total'])
+  tx = caption_optimizer.make_optimizer(fixture['config'], meta['t_total'])
   grads = jax.jit(jax.grad(functools.partial(_loss_fn, model)))(params, io)
   opt_state = tx.init(params)
   updates, opt_state = jax.jit(tx.update)(grads, opt_state, params)

@@ -85,9 +85,8 @@ def converted(stage: str, config: ml_collections.ConfigDict, path: str) -> dict:
 
 
 def _encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
-  kwargs = config.pretrain.model.to_dict()
-  kwargs['grid'] = tuple(kwargs['grid'])
-  return kwargs
+  from procap_jax import config_lib
+  return config_lib.encoder_kwargs(config)
 
 
 def restore(stage: str, params: Any, config: ml_collections.ConfigDict) -> Any:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from procap_jax import config_lib
 from procap_jax.convert import common
 from procap_jax.convert import procap_stage1
 from procap_jax.data import vocab as vocab_lib
@@ -98,8 +99,7 @@ def captioner_params(state: Mapping[str, np.ndarray], config: ml_collections.Con
   m = config.caption.model
   _check_vocabulary(state, config, source)
   reader = _Recorder(state)
-  kwargs = config.pretrain.model.to_dict()
-  kwargs['grid'] = tuple(kwargs['grid'])
+  kwargs = config_lib.encoder_kwargs(config)
   params = {'encoder': procap_stage1.encoder_params(reader, kwargs, ENCODER_PREFIX, source=source),
             'memory_mlp': _memory_mlp(reader, kwargs['width'], m.hidden, source),
             'decoder': _decoder(reader, m, source)}

@@ -23,9 +23,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from procap_jax import config_lib
 from procap_jax import decoding
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import decoder as decoder_lib
+from procap_jax.models import procedure_encoder
 
 
 class MemoryMLP(nn.Module):
@@ -132,6 +134,26 @@ class Captioner(nn.Module):
     b, n = before_feats.shape[0], before_feats.shape[1] * before_feats.shape[2]
     logits = logits.reshape(b, self.num_queries + 2, n, logits.shape[-1])  # [B, T, N, K]
     return jnp.argmax(logits[:, 1:-1], axis=-1).astype(jnp.int32)  # [B, k, N]
+
+
+def from_config(config: Any) -> Captioner:
+  """The Captioner of `config.caption.model` around the stage-1 encoder
+  (`config_lib.encoder_kwargs`: k = data.num_keyframes query frames), computing in
+  `config.compute_dtype`. Without procedure queries the encoder has T = 2 frame slots. Used by
+  training (`tasks.caption.build_model`) and inference (`procap_jax.caption`) alike."""
+  m = config.caption.model
+  enc = config_lib.encoder_kwargs(config)
+  k = enc['num_frames'] - 2
+  if not m.use_queries:
+    enc['num_frames'] = 2
+  dtype = jnp.dtype(config.compute_dtype)
+  encoder = procedure_encoder.ProcedureEncoder(**enc, dtype=dtype)
+  decoder = decoder_lib.CaptionDecoder(
+      vocab_size=m.vocab_size, hidden=m.hidden, heads=m.heads, ffn=m.ffn, layers=m.layers,
+      dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
+      qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
+  return Captioner(encoder=encoder, decoder=decoder, num_queries=k, use_queries=m.use_queries,
+                   text_slot=m.text_slot, stage2_mask=m.stage2_mask, dtype=dtype)
 
 
 def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,

@@ -18,7 +18,7 @@ tests inject a fake one with `make_task(tokenizer_factory=...)`.
 
 import functools
 import os
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import flax.linen as nn
 import flax.traverse_util
@@ -36,12 +36,10 @@ from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
-from procap_jax.models import decoder as decoder_lib
-from procap_jax.models import procedure_encoder
 from procap_jax.models import vqgan
+from procap_jax.tasks import caption_optimizer
 
 # Stage-1 heads that stay frozen in stage 2 (the original's `skip_params`, spec 5.1).
-FROZEN_ENCODER_MODULES = ('to_logits', 'to_logits_rel', 'to_logits_vid', 'image_emb')
 # The axial frame-position table of the encoder ([T, 1, 1, D]); see `restore_pretrained_encoder`.
 _FRAME_POSITIONS = ('target_pos_emb', 'weights_0')
 _METRIC_ORDER = ('CIDEr', 'Bleu_4', 'METEOR', 'ROUGE_L', 'SPICE', 'Bleu_1', 'Bleu_2', 'Bleu_3')
@@ -67,24 +65,7 @@ def build_model(config: ml_collections.ConfigDict) -> captioner_lib.Captioner:
   if m.vocab_size <= 0:
     raise ValueError('config.caption.model.vocab_size must be set (the caption vocabulary size) '
                      'before the captioner is built')
-  enc = config.pretrain.model.to_dict()
-  enc['grid'] = tuple(enc['grid'])
-  k = enc['num_frames'] - 2
-  if k != config.data.num_keyframes:
-    raise errors.UserError(
-        f'config.pretrain.model.num_frames={enc["num_frames"]} must equal '
-        f'config.data.num_keyframes + 2 = {config.data.num_keyframes + 2}; set both together')
-  if not m.use_queries:
-    enc['num_frames'] = 2
-  dtype = jnp.dtype(config.compute_dtype)
-  encoder = procedure_encoder.ProcedureEncoder(**enc, dtype=dtype)
-  decoder = decoder_lib.CaptionDecoder(
-      vocab_size=m.vocab_size, hidden=m.hidden, heads=m.heads, ffn=m.ffn, layers=m.layers,
-      dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
-      qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
-  return captioner_lib.Captioner(encoder=encoder, decoder=decoder, num_queries=k,
-                                 use_queries=m.use_queries, text_slot=m.text_slot,
-                                 stage2_mask=m.stage2_mask, dtype=dtype)
+  return captioner_lib.from_config(config)
 
 
 def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDict,
@@ -235,109 +216,6 @@ def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Arr
   return feats[:b], feats[b:]  # [B, h, w, C] each
 
 
-# ----------------------------------------------------------------------------- optimisation
-
-
-def warmup_linear(peak: float, total_steps: int, warmup_frac: float) -> optax.Schedule:
-  """The original `warmup_linear` (spec 5.5): x = step / total; x / w for x < w, then
-  (1 - x) / (1 - w), floored at 0; times `peak`. The first update (step 0) has lr 0."""
-
-  def schedule(count):
-    x = jnp.asarray(count, jnp.float32) / total_steps
-    decay = (1.0 - x) / (1.0 - warmup_frac)
-    mult = jnp.where(x < warmup_frac, x / warmup_frac, decay) if warmup_frac > 0 else decay
-    return peak * jnp.maximum(mult, 0.0)
-
-  return schedule
-
-
-class BertAdamState(NamedTuple):
-  count: jax.Array
-  mu: Any
-  nu: Any
-
-
-def _path_names(path) -> list[str]:
-  return [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path]
-
-
-def _decayed(names: list[str]) -> bool:
-  """The original's rule on its torch names: decay unless the name contains 'bias'. Our paths
-  hold 'bias' exactly where its names do, except the decoder LayerNorms' bias, which densecap's
-  LayerNorm calls `beta`: decayed (tests/parity_stage2_test.py checks every parameter)."""
-  if names[0] == 'decoder' and names[-1] == 'bias' and names[-2].startswith('norm_'):
-    return True
-  return 'bias' not in '/'.join(names)
-
-
-def decay_mask(params: Any) -> Any:
-  """True where weight decay applies: the original's effective rule (`_decayed`): LayerNorm
-  scales, image_mask, embeddings and the decoder LayerNorms' biases are decayed."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: _decayed(_path_names(path)), params)
-
-
-def bert_adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-              eps: float = 1e-6, weight_decay: float = 0.01,
-              mask: Callable[[Any], Any] | None = decay_mask) -> optax.GradientTransformation:
-  """The original BertAdam (spec 5.5) as an optax transformation.
-
-  m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2 (NO bias correction);
-  update = -lr_t * (m / (sqrt(v) + eps) + wd * p [where mask(p)]), lr_t = schedule(step) with
-  step counted from 0. (Its per-tensor clip to norm 1 is a no-op after the global clip.)
-  """
-
-  def init_fn(params):
-    return BertAdamState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(jnp.zeros_like, params),
-                         nu=jax.tree.map(jnp.zeros_like, params))
-
-  def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError('bert_adam needs the params (decoupled weight decay)')
-    mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, updates)
-    nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, updates)
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    decays = mask(params) if mask is not None else jax.tree.map(lambda _: True, params)
-
-    def one(m, v, p, decay):
-      step = m / (jnp.sqrt(v) + eps)
-      if decay and weight_decay:
-        step = step + weight_decay * p
-      return (-lr * step).astype(p.dtype)
-
-    new = jax.tree.map(one, mu, nu, params, decays)
-    return new, BertAdamState(count=state.count + 1, mu=mu, nu=nu)
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def param_labels(params: Any) -> Any:
-  """'frozen' (stage-1 heads), 'encoder' (rest of the encoder) or 'decoder' (MLP + decoder)."""
-
-  def label(path, _):
-    names = _path_names(path)
-    if names[0] != 'encoder':
-      return 'decoder'
-    return 'frozen' if any(n in FROZEN_ENCODER_MODULES for n in names[1:]) else 'encoder'
-
-  return jax.tree_util.tree_map_with_path(label, params)
-
-
-def make_optimizer(config: ml_collections.ConfigDict,
-                   total_steps: int) -> optax.GradientTransformation:
-  """Global-norm clip, then BertAdam per group: encoder at lr_encoder, memory MLP and decoder
-  at lr, the stage-1 heads frozen. t_total = total_steps * t_total_factor."""
-  t = config.caption.train
-  t_total = max(1, int(round(total_steps * t.t_total_factor)))
-
-  def group(lr):
-    return bert_adam(warmup_linear(lr, t_total, t.warmup_frac), weight_decay=t.weight_decay)
-
-  return optax.chain(
-      optax.clip_by_global_norm(t.clip),
-      optax.multi_transform({'encoder': group(t.lr_encoder), 'decoder': group(t.lr),
-                             'frozen': optax.set_to_zero()}, param_labels))
-
-
 # ----------------------------------------------------------------------------- decoding
 
 
@@ -451,7 +329,8 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
     return flat_metrics(scores)
 
   return train.Task(name='caption', build_model=build_model, init_params=init_params,
-                    loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
+                    loss_fn=loss_fn, make_optimizer=caption_optimizer.make_optimizer,
+                    evaluate=evaluate,
                     load_constants=load_constants, restore_init=restore_init)
 
 

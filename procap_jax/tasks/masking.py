@@ -114,7 +114,7 @@ def sample_masks_from_config(rng: jax.Array, batch_size: int, config) -> Masks:
   """`sample_masks` with `config.pretrain.masking` and the encoder's T and grid."""
   m = config.pretrain.masking
   model = config.pretrain.model
-  return sample_masks(rng, batch_size, model.num_frames, tuple(model.grid),
+  return sample_masks(rng, batch_size, config.data.num_keyframes + 2, tuple(model.grid),
                       strategy_probs=tuple(m.strategy_probs),
                       keep_prob_range=tuple(m.keep_prob_range), box_scale=tuple(m.box_scale),
                       box_ratio=tuple(m.box_ratio))

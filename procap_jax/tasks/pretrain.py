@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from procap_jax import checkpointing
+from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import train
 from procap_jax.convert import init as convert_init
@@ -69,15 +70,10 @@ def vqgan_tokenizer(config: ml_collections.ConfigDict) -> vqgan.Frozen:
 
 def build_model(config: ml_collections.ConfigDict) -> procedure_encoder.ProcedureEncoder:
   """ProcedureEncoder(**config.pretrain.model) computing in config.compute_dtype."""
-  kwargs = config.pretrain.model.to_dict()
-  kwargs['grid'] = tuple(kwargs['grid'])
+  kwargs = config_lib.encoder_kwargs(config)
   if kwargs['text_vocab_size'] <= 0:
     raise ValueError('config.pretrain.model.text_vocab_size must be set (the caption '
                      'vocabulary size) before the encoder is built')
-  if kwargs['num_frames'] != config.data.num_keyframes + 2:
-    raise errors.UserError(
-        f'config.pretrain.model.num_frames={kwargs["num_frames"]} must equal '
-        f'config.data.num_keyframes + 2 = {config.data.num_keyframes + 2}; set both together')
   return procedure_encoder.ProcedureEncoder(**kwargs, dtype=jnp.dtype(config.compute_dtype))
 
 
