@@ -39,7 +39,6 @@ import json
 import os
 from typing import Iterable, Mapping, Sequence
 
-import nltk.tokenize
 import numpy as np
 
 from procap_jax import errors
@@ -63,6 +62,8 @@ def tokenize(caption: str) -> list[str]:
   if not isinstance(caption, str):
     raise errors.UserError(f'a caption must be a string, got {type(caption).__name__} '
                            f'{_short(caption)}')
+  import nltk.tokenize  # here, not at import: nltk (and the scipy it loads) costs the caption
+  # command a second and a half of start-up, and decoding never tokenises
   return nltk.tokenize.word_tokenize(caption.lower(), preserve_line=True)
 
 
