@@ -21,7 +21,6 @@ The training process never imports TensorFlow.
 """
 
 import functools
-import json
 import os
 from typing import Any, Iterator
 
@@ -323,20 +322,3 @@ def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
       pad['valid'] = np.bool_(False)
       rows.append(pad)
     yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-
-
-def examples_from_pairs(config, vocab, befores: list[np.ndarray], afters: list[np.ndarray]) -> dict:
-  """A batch of the contract from raw user pairs (inference: no captions, crossfade frames; so
-  no text is tokenised and no BPE merges file is needed)."""
-  transform = _Transform(config, vocab, None, train=False, seed=0)
-  transform.source = 'crossfade'
-  rows = []
-  for i, (b, a) in enumerate(zip(befores, afters)):
-    record = {'before': b, 'after': a, 'pair_id': str(i), 'captions': [],
-              'change_type': CHANGE_TYPES.index('other')}
-    rows.append(transform(record, i, sampling.keyframe_rng(0, i, 0)))
-  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-  errors.write_text_atomic(path, json.dumps(obj, indent=1))

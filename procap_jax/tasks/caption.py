@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from procap_jax import checkpointing
 from procap_jax import errors

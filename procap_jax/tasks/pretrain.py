@@ -32,7 +32,6 @@ import optax
 
 from procap_jax import checkpointing
 from procap_jax import config_lib
-from procap_jax import errors
 from procap_jax import train
 from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
