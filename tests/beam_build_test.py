@@ -7,12 +7,13 @@ map in no fixed order), the features themselves (PNG bytes included) must not.
 """
 
 import glob
-import json
 import os
 import sys
 
 from array_record.python import array_record_module
 import pytest
+
+import clevr_manual
 from tensorflow_datasets.proto import tf_example_pb2
 from tensorflow_datasets.proto import tf_feature_pb2
 
@@ -112,25 +113,9 @@ def test_synthetic_beam_build_equals_local_build(tmp_path):
   assert ids == [b'000000c', b'000000nc', b'000001c', b'000001nc']  # scene order
 
 
-def _clevr_manual(root, fixtures) -> str:
-  src = fixtures / 'clevr_change'
-  man = root / 'manual'
-  for folder in ('images', 'sc_images', 'nsc_images'):
-    (man / folder).mkdir(parents=True)
-    for f in (src / folder).iterdir():
-      (man / folder / f.name).symlink_to(f)
-  (man / 'type_mapping.json').symlink_to(src / 'type_mapping.json')
-  (man / 'splits.json').write_text(json.dumps(_CLEVR_SPLITS))
-  ids = [i for ids in _CLEVR_SPLITS.values() for i in ids]
-  for name, caps in (('change_captions.json', ['the small cube changed its color']),
-                     ('no_change_captions.json', ['no change was made'])):
-    (man / name).write_text(json.dumps({f'CLEVR_default_{i:06d}.png': caps for i in ids}))
-  return os.fspath(man)
-
-
 def test_clevr_beam_build_in_two_processes_equals_local_build(tmp_path, fixtures_dir):
   pytest.importorskip('apache_beam')
-  man = _clevr_manual(tmp_path, fixtures_dir)
+  man = os.fspath(clevr_manual.clevr_manual(tmp_path, fixtures_dir, _CLEVR_SPLITS))
   local = clevr_change.prepare('tiny32', os.fspath(tmp_path / 'local'), man, num_workers=1)
   line = build_cli.build(
       'clevr_change/tiny32', os.fspath(tmp_path / 'beam'), manual_dir=man,

@@ -14,6 +14,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
+import reliability_helpers
+
 from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import main
@@ -40,14 +42,7 @@ def _fake_run(workdir: pathlib.Path, preset: str = 'tiny', stages=('caption', 't
   return workdir
 
 
-def _error(capsys, fn, *args, **kwargs) -> str:
-  capsys.readouterr()
-  with pytest.raises(SystemExit) as info:
-    fn(*args, **kwargs)
-  assert info.value.code == 2
-  err = capsys.readouterr().err.strip()
-  assert err.startswith('error: ') and '\n' not in err, err
-  return err
+_error = reliability_helpers.exit_message
 
 
 def _tree(path: pathlib.Path) -> list[str]:

@@ -15,6 +15,8 @@ import h5py
 import numpy as np
 import PIL.Image
 import pytest
+
+import clevr_manual
 import tensorflow_datasets as tfds
 
 from procap_jax import errors
@@ -70,28 +72,10 @@ def _text(x) -> str:
 # ------------------------------------------------------------------------------------ CLEVR
 
 
-def _clevr_manual(root: pathlib.Path, fixtures: pathlib.Path) -> pathlib.Path:
-  src = fixtures / 'clevr_change'
-  man = root / 'clevr_manual'
-  for folder in ('images', 'sc_images', 'nsc_images'):
-    (man / folder).mkdir(parents=True)
-    for f in (src / folder).iterdir():
-      (man / folder / f.name).symlink_to(f)
-  (man / 'type_mapping.json').symlink_to(src / 'type_mapping.json')
-  _dump(man / 'splits.json', CLEVR_SPLITS)
-  ids = [i for ids in CLEVR_SPLITS.values() for i in ids]
-  _dump(man / 'change_captions.json', {f'CLEVR_default_{i:06d}.png': [
-      'the small cube changed its color', f'the object number {i} became a different color',
-      ' '] for i in ids})
-  _dump(man / 'no_change_captions.json', {f'CLEVR_default_{i:06d}.png': [
-      'no change was made', 'the scene is the same as before'] for i in ids})
-  return man
-
-
 @pytest.fixture(scope='module')
 def clevr(tmp_path_factory, fixtures_dir):
   root = tmp_path_factory.mktemp('clevr')
-  man = _clevr_manual(root, fixtures_dir)
+  man = clevr_manual.clevr_manual(root, fixtures_dir, CLEVR_SPLITS)
   stale = root / 'data' / 'clevr_change' / 'tiny32' / 'incomplete.ABC123_1.0.0'
   stale.mkdir(parents=True)
   (stale / 'half-written.array_record').write_bytes(b'x')
@@ -139,7 +123,7 @@ def test_clevr_side_files(clevr):
 
 
 def test_clevr_incomplete_manual_dir(tmp_path, fixtures_dir):
-  man = _clevr_manual(tmp_path, fixtures_dir)
+  man = clevr_manual.clevr_manual(tmp_path, fixtures_dir, CLEVR_SPLITS)
   (man / 'sc_images' / 'CLEVR_semantic_000013.png').unlink()
   (man / 'nsc_images' / 'CLEVR_nonsemantic_000035.png').unlink()
   with pytest.raises(errors.UserError) as info:
