@@ -1,7 +1,7 @@
 r"""Start-up of the caption command: time to the first caption in a fresh process, then per pair.
 
-  python -m procap_jax.main --config configs/synthetic.py:tiny --workdir /tmp/tinyrun
-  python -m bench.caption_startup --workdir /tmp/tinyrun
+  python -m procap_jax.main --config configs/synthetic.py:tiny --workdir W
+  python -m bench.caption_startup --workdir W
 
 Prints one JSON line:
   first_caption_s_cold    `python -m procap_jax.caption --workdir W b.png a.png` from process

@@ -10,9 +10,9 @@ model (encoder 2 x 48, 4 heads, 4 frames of 3 x 3 tokens of 16 features; decoder
 FFN 64, 25 words). PROCAP_PARITY_DIR=<dir> runs the same checks on every `stage2_*` fixture in
 <dir>, e.g. the paper's captioner:
 
-  /work/venv-torch/bin/python tests/parity/gen_stage2.py --original /work/orig/ProCap \
-      --out /tmp/parity_stage2_paper --size paper
-  PROCAP_PARITY_DIR=/tmp/parity_stage2_paper python -m pytest -q -n 0 tests/parity_stage2_test.py
+  python tests/parity/gen_stage2.py --original ORIG \
+      --out P --size paper
+  PROCAP_PARITY_DIR=P python -m pytest -q -n 0 tests/parity_stage2_test.py
 
 The model runs with the paper presets (configs/clevr_change.py:paper) resized to the fixture,
 i.e. the original's code paths: text_slot 'code', stage2_mask 'code', attention_scale 'd_model',

@@ -7,9 +7,9 @@ tests/parity/gen_vqgan.py; no torch here. The committed ones are a small model (
 ch_mult (2, 1), attention in encoder level 1 and decoder level 1, nin_shortcuts, float16 storage).
 PROCAP_PARITY_DIR=<dir> runs the same checks on other fixtures, e.g. the paper's tokenizer:
 
-  /work/venv-torch/bin/python tests/parity/gen_vqgan.py --original /work/orig/ProCap \
-      --out /tmp/parity_paper --size paper
-  PROCAP_PARITY_DIR=/tmp/parity_paper python -m pytest -q -n 0 tests/parity_vqgan_test.py
+  python tests/parity/gen_vqgan.py --original ORIG \
+      --out P --size paper
+  PROCAP_PARITY_DIR=P python -m pytest -q -n 0 tests/parity_vqgan_test.py
 """
 
 import json

@@ -106,6 +106,19 @@ def read_merges(path: str) -> list[tuple[str, ...]]:
   return [tuple(line.split()) for line in text.split('\n')[1:1 + MAX_MERGES]]
 
 
+def merge_pair(symbols: list[str], pair: tuple[str, str]) -> list[str]:
+  """`symbols` with every non-overlapping occurrence of `pair` merged, left to right."""
+  merged, i = [], 0
+  while i < len(symbols):
+    if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+      merged.append(symbols[i] + symbols[i + 1])
+      i += 2
+    else:
+      merged.append(symbols[i])
+      i += 1
+  return merged
+
+
 class Bpe:
   """CLIP byte-level BPE over one merges file (`encode` equals `SimpleTokenizer.encode`)."""
 
@@ -141,15 +154,7 @@ class Bpe:
       best = min(pairs, key=lambda p: self.ranks.get(p, float('inf')))
       if best not in self.ranks:
         break
-      merged, i = [], 0
-      while i < len(symbols):  # merge every non-overlapping occurrence, left to right
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
-          merged.append(symbols[i] + symbols[i + 1])
-          i += 2
-        else:
-          merged.append(symbols[i])
-          i += 1
-      symbols = merged
+      symbols = merge_pair(symbols, best)
     self.cache[word] = ' '.join(symbols)
     return symbols
 

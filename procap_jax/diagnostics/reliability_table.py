@@ -1,7 +1,7 @@
 """Writes docs/reliability.md: runs the reliability tests and tables the faults they injected.
 
   python -m procap_jax.diagnostics.reliability_table --out docs/reliability.md
-  python -m procap_jax.diagnostics.reliability_table --out /tmp/r.md -- -n 0   # pytest flags
+  python -m procap_jax.diagnostics.reliability_table --out R.md -- -n 0   # pytest flags
 
 Run from a source checkout: the tests (tests/reliability_*_test.py) each inject faults at one
 entry point and assert what happens; their `fault` fixture (tests/conftest.py) puts a row per

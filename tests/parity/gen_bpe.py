@@ -1,8 +1,9 @@
 r"""Writes the stage-1 BPE parity fixtures from the ORIGINAL ProCap tokenizer (run by hand).
 
-  /work/venv-torch/bin/python tests/parity/gen_bpe.py --original /work/orig/ProCap
+  python tests/parity/gen_bpe.py --original ORIG
 
-Needs the original's dependencies (torch, ftfy, regex); our package is not imported.
+Needs the original's dependencies (torch, ftfy, regex) and imports one function of ours
+(`procap_jax.data.bpe.merge_pair`, numpy and ftfy only) for the learner's merge step.
 
 1. Learns a small merges file of our own (`MERGES` rules, plain BPE over the caption corpus
    below; CLIP's merges file is NOT copied) and adds two rules that produce a string an earlier
@@ -23,6 +24,9 @@ import os
 import sys
 
 import regex  # the original's dependency
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
+from procap_jax.data import bpe  # noqa: E402  (the repo's, for its merge step)
 
 MERGES = 400
 _WORDS = (r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|"""
@@ -163,15 +167,7 @@ def _learn_merges(original, texts: list[str], count: int) -> list[tuple[str, str
     merges.append(best)
     merged = collections.Counter()
     for symbols, n in words.items():
-      out, i = [], 0
-      while i < len(symbols):
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
-          out.append(symbols[i] + symbols[i + 1])
-          i += 2
-        else:
-          out.append(symbols[i])
-          i += 1
-      merged[tuple(out)] += n
+      merged[tuple(bpe.merge_pair(list(symbols), best))] += n
     words = merged
   return merges
 

@@ -1,6 +1,6 @@
 """Writes the stage-1 parity fixtures with the ORIGINAL ProCap code. Run by hand, WITH torch:
 
-  /work/venv-torch/bin/python tests/parity/gen_stage1.py --original /work/orig/ProCap \
+  python tests/parity/gen_stage1.py --original ORIG \
       --out tests/parity/fixtures [--size small|paper]
 
 It imports the original's own modules from `--original` (never edited, never copied) and:

@@ -1,9 +1,9 @@
 """Writes the stage-2 parity fixtures with the original's own MMVID_IDC. Run by hand, WITH torch:
 
-  /work/venv-torch/bin/python tests/parity/gen_stage2.py --original /work/orig/ProCap \
+  python tests/parity/gen_stage2.py --original ORIG \
       --out tests/parity/fixtures                       # small, committed (~0.9 MB)
-  /work/venv-torch/bin/python tests/parity/gen_stage2.py --original /work/orig/ProCap \
-      --out /tmp/parity_stage2_paper --size paper       # the paper's captioner, not committed
+  python tests/parity/gen_stage2.py --original ORIG \
+      --out P --size paper       # the paper's captioner, not committed
 
 The model is the original's `src.mmvid_idc.MMVID_IDC` built from `config/mmvid_clevr_config.yaml`
 with the sizes of `--size` (`SIZES`), from the source tree `--original` (read only), by

@@ -1,9 +1,9 @@
 """Writes the VQGAN parity fixtures with taming's own `VQModel`. Run by hand, WITH torch:
 
-  /work/venv-torch/bin/python tests/parity/gen_vqgan.py --original /work/orig/ProCap \
+  python tests/parity/gen_vqgan.py --original ORIG \
       --out tests/parity/fixtures                       # small, committed (0.95 MB)
-  /work/venv-torch/bin/python tests/parity/gen_vqgan.py --original /work/orig/ProCap \
-      --out /tmp/parity_paper --size paper              # the paper's tokenizer, not committed
+  python tests/parity/gen_vqgan.py --original ORIG \
+      --out P --size paper              # the paper's tokenizer, not committed
 
 The model is built from the original source tree (`--original`, read-only) by bench/original.py
 with its stand-ins for what the CPU venv lacks: a `pytorch_lightning` whose LightningModule is
