@@ -49,6 +49,10 @@ def _data(preset: str) -> ml_collections.ConfigDict:
   # open_clip_torch or clip package. Read only when captions are tokenised.
   d.bpe_merges_file = ''
   d.num_workers = 0                    # grain worker processes (0 = in-process)
+  # Build a missing dataset on Apache Beam with these flags (pip install -e '.[beam]'), e.g.
+  # '--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing';
+  # '' = the local process pool (docs/performance.md, "Building datasets on Beam").
+  d.beam_options = ''
   return d
 
 

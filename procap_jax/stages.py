@@ -59,10 +59,11 @@ def _prepare_data(config, workdir: str) -> None:
           f'tfds_builders/{name}/README.md) and set --config.data.manual_dir=<folder>')
     t0 = time.time()
     print(f'building {name}/{bc} in {ddir} ...', flush=True)
+    beam = config.data.beam_options or None
     if name == 'synthetic_change':
-      module.prepare(bc, ddir)
+      module.prepare(bc, ddir, beam_options=beam)
     else:
-      module.prepare(bc, ddir, manual_dir=config.data.manual_dir)
+      module.prepare(bc, ddir, manual_dir=config.data.manual_dir, beam_options=beam)
     print(f'built {name}/{bc} in {time.time() - t0:.0f} s', flush=True)
   if config.data.sampler == 'confidence' and not config.data.scores_file:
     path = pipeline.scores_path(config, workdir)

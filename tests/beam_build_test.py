@@ -128,3 +128,23 @@ def test_clevr_beam_build_in_two_processes_equals_local_build(tmp_path, fixtures
     with open(os.path.join(local.data_dir, name), 'rb') as a, \
          open(os.path.join(beam.data_dir, name), 'rb') as b:
       assert a.read() == b.read(), name
+
+
+def test_main_passes_the_configs_beam_options_to_the_builder(tiny_config, tmp_path, monkeypatch):
+  """`--config.data.beam_options` reaches the builder's prepare (and '' means no Beam)."""
+  from procap_jax import stages
+  from procap_jax.data import datasets
+  calls = []
+
+  class FakeBuilderModule:
+    @staticmethod
+    def prepare(config_name, data_dir, **kwargs):
+      calls.append(kwargs)
+
+  monkeypatch.setattr(datasets, 'is_prepared', lambda *args: False)
+  monkeypatch.setattr(datasets, 'builder_module', lambda name: FakeBuilderModule)
+  tiny_config.data.sampler = 'uniform'  # no confidence scores to compute afterwards
+  stages._prepare_data(tiny_config, str(tmp_path))  # pylint: disable=protected-access
+  tiny_config.data.beam_options = '--runner=DirectRunner'
+  stages._prepare_data(tiny_config, str(tmp_path))  # pylint: disable=protected-access
+  assert calls == [{'beam_options': None}, {'beam_options': '--runner=DirectRunner'}]
