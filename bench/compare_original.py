@@ -1,14 +1,14 @@
 r"""Side by side in one run: the original ProCap (PyTorch) against ours, steps and inference.
 
-  /work/venv-torch/bin/python bench/compare_original.py --original /work/orig/ProCap \
-      --size paper --rounds 1 --steps 2            # CLEVR-Change size: an hour or more
-  /work/venv-torch/bin/python bench/compare_original.py --original /work/orig/ProCap \
-      --size small --rounds 2 --steps 2            # 32 px, 2 x 64 encoder: about 2 minutes
+  python bench/compare_original.py --original ORIG --size paper --rounds 1 --steps 2
+  python bench/compare_original.py --original ORIG --size small --rounds 2 --steps 2
 
-Run by hand with a Python that has torch (never in CI). Every measurement is a fresh process,
-so its peak RSS (`getrusage` high-water mark) is its own, and the two sides alternate within
-each round: the original's stage-1 step, ours; the original's stage-2 step with anomaly
-detection (as train_stage2.py ships it) and without, ours; the original's inference, ours.
+ORIG: the original's source tree (read only). Run by hand with a Python that has torch and the
+original's small dependencies (never in CI); paper size takes an hour or more, small size about
+8 minutes a round. Every measurement is a fresh process, so its peak RSS (`getrusage`
+high-water mark) is its own, and the two sides alternate within each round: the original's
+stage-1 step, ours; the original's stage-2 step with anomaly detection (as train_stage2.py
+ships it) and without, ours; the original's inference, ours.
   - original: this file with `--child <what>` under this Python: the modules of `--original`
     built by `bench.original` at `--size`, random weights, torch.set_num_threads(--threads).
     Stage 1 is train_stage1.py's step (three forwards, the weighted losses, backward, clip 1.0,

@@ -4,7 +4,7 @@ Run under a Python with torch (the project's own code never imports this module)
 
   import sys; sys.path.insert(0, REPO)        # REPO: this checkout, so `bench` imports
   from bench import original
-  original.install_stand_ins('/work/orig/ProCap')
+  original.install_stand_ins(ORIG)            # ORIG: the original's source tree
   vae = original.vae(original.vqmodel(original.PAPER_VQGAN))
   with original.random_clip(width=768, heads=12):
     bert = original.bert(vae, original.stage1_args(batch=8, text_len=24, frames=4,
