@@ -30,30 +30,19 @@ _STAGE1 = flags.DEFINE_string('stage1', '', 'procap: a released stage-1 checkpoi
 KINDS = ('taming', 'clip', 'procap')
 
 
-def _example_batch(config) -> dict:
-  """A one-row batch of the batch contract (zeros): all that the models' init needs."""
-  import numpy as np
-  s, t, length = config.data.image_size, config.data.num_keyframes + 2, config.data.max_caption_len
-  return dict(before=np.zeros((1, s, s, 3), np.uint8), after=np.zeros((1, s, s, 3), np.uint8),
-              keyframes=np.zeros((1, t, s, s, 3), np.uint8),
-              keyframe_index=np.zeros((1, t), np.int32),
-              caption_in=np.zeros((1, length), np.int32),
-              encoder_text=np.zeros((1, length), np.int32), change_type=np.zeros((1,), np.int32),
-              example_index=np.zeros((1,), np.int32), valid=np.ones((1,), bool))
-
-
 def converted_state(config, stage: str):
   """The TrainState of `stage` with `config.<stage>.init_from`'s weights (nothing written)."""
   import jax
   from procap_jax import sharding
   from procap_jax import stages
   from procap_jax import train
+  from procap_jax.diagnostics import stand_ins
   task = stages.TASKS[stage]
   model = task.build_model(config)
   mesh = sharding.mesh_from_config(config)
   tx = task.make_optimizer(config, int(config[stage].train.steps))
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(int(config.seed)),
-                                       _example_batch(config), mesh)
+                                       stand_ins.fake_batch(config, 1), mesh)  # shapes only
   params = task.restore_init(jax.device_get(state.params), config, None)
   return state.replace(params=jax.device_put(params, state_sh.params))
 

@@ -68,13 +68,6 @@ def layer_norm(state: Mapping[str, np.ndarray], prefix: str, width: int | None =
           'bias': take(state, f'{prefix}.bias', shape, source=source)}
 
 
-def conv(state: Mapping[str, np.ndarray], prefix: str, *, source: str = 'the checkpoint'
-         ) -> dict[str, np.ndarray]:
-  """torch Conv2d `prefix.weight [O, I, H, W]` (+ bias) -> flax Conv {kernel [H, W, I, O], bias}."""
-  return {'kernel': take(state, f'{prefix}.weight', source=source).transpose(2, 3, 1, 0),
-          'bias': take(state, f'{prefix}.bias', source=source)}
-
-
 def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
   return flax.traverse_util.flatten_dict(nn.meta.unbox(tree) if tree is not None else {})
 
