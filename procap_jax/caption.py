@@ -36,7 +36,11 @@ restores the checkpoints (orbax) and compiles the model; it keeps both results i
 `W/caption/inference_cache/` when the workdir is writable (`params.npz`: the caption and
 tokenizer parameters, about a third of a checkpoint's size, remade when a checkpoint or
 config.json changes; `xla/`: XLA's compilation cache), so later starts skip most of that work.
-`bench/caption_startup.py` measures it.
+`--warm_up` fills that cache and captions nothing; the training command runs it when a run
+finishes, so the first caption after training is already a fast start.
+`bench/caption_startup.py` measures both starts.
+
+  python -m procap_jax.caption --workdir W --warm_up
 """
 
 import argparse
@@ -332,7 +336,33 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--which', default='best', choices=('best', 'latest'))
   parser.add_argument('--batch_size', type=int, default=16, help='pairs decoded at once')
   parser.add_argument('--out', help='also write the captions as JSON here')
+  parser.add_argument('--warm_up', action='store_true',
+                      help='only fill W/caption/inference_cache (parameters and the compiled '
+                      'single-pair model) so later starts are fast; takes no images')
   return parser
+
+
+def warm_up(workdir: str, which: str = 'best') -> float:
+  """Fills the inference cache of `workdir`: restores the parameters and compiles the
+  single-pair model (one blank pair captioned, caption discarded). Returns the seconds taken.
+
+  Raises:
+    UserError: the workdir is not a finished run, or its caption folder is not writable.
+  """
+  import time
+  start = time.perf_counter()
+  config = check_run(workdir, which)
+  cache_dir = os.path.join(workdir, CACHE_DIR)
+  try:
+    os.makedirs(cache_dir, exist_ok=True)
+  except OSError as e:
+    raise errors.UserError(f'cannot write the inference cache {cache_dir}: {e.strerror}') from e
+  if not os.access(cache_dir, os.W_OK):
+    raise errors.UserError(f'cannot write the inference cache {cache_dir}: not writable')
+  captioner = Captioner(workdir, which, batch_size=1)
+  blank = np.zeros((int(config.data.image_size),) * 2 + (3,), np.uint8)
+  captioner(blank, blank)
+  return time.perf_counter() - start
 
 
 @errors.exit_on_user_error
@@ -340,6 +370,13 @@ def main(argv: list[str] | None = None) -> list[str]:
   args = _parser().parse_args(argv)
   if args.batch_size < 1:
     raise errors.UserError(f'--batch_size must be positive, got {args.batch_size}')
+  if args.warm_up:
+    if args.images or args.csv or args.before_dir or args.after_dir:
+      raise errors.UserError('--warm_up takes no images: it only fills the inference cache')
+    seconds = warm_up(args.workdir, args.which)
+    print(f'inference cache of {args.workdir} ready ({seconds:.1f} s): later caption commands '
+          'start without restoring or compiling', flush=True)
+    return []
   config = check_run(args.workdir, args.which)  # the run first: a wrong --workdir fails at once
   pairs, rule = pairs_from_args(args)
   if len(pairs) > 1 or args.before_dir:

@@ -6,7 +6,9 @@ r"""Entry point: runs the stages of a config in order, skipping finished ones.
       --split test --which best        # evaluate a saved caption checkpoint alone
 
 Modes: `train` (default: build the dataset if needed, train every stage in `config.stages`,
-then evaluate the best caption checkpoint on test and write W/results.json and W/report.html),
+then evaluate the best caption checkpoint on test and write W/results.json and W/report.html;
+from the command line it then fills the caption command's inference cache, a few seconds, so
+`python -m procap_jax.caption --workdir W` starts fast from its first call),
 `evaluate` (restore a caption checkpoint and score a split; it first checks that W is a run made
 with this config's model/data sections, with caption and tokenizer checkpoints, and that the
 dataset is built, and builds nothing), `build` (only build the dataset and print its
@@ -177,11 +179,32 @@ def parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
+def warm_up_caption_command(workdir: str) -> bool:
+  """Runs `python -m procap_jax.caption --workdir W --warm_up` in a fresh process (the
+  command's own start, so its compiled model is what later commands find in the cache).
+  A failure is a notice, not an error: the run itself is finished. Returns success."""
+  import subprocess
+  print('filling the caption command\'s inference cache (a few seconds) ...', flush=True)
+  proc = subprocess.run([sys.executable, '-m', 'procap_jax.caption', '--workdir', workdir,
+                         '--warm_up'], capture_output=True, text=True, check=False)
+  lines = (proc.stdout + proc.stderr).strip().splitlines()
+  if proc.returncode == 0:
+    print(lines[-1] if lines else 'inference cache ready', flush=True)
+    return True
+  print('note: could not fill the inference cache (the first caption command will fill it): '
+        + (lines[-1] if lines else f'exit status {proc.returncode}'), flush=True)
+  return False
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   _maybe_init_distributed()
-  run(_CONFIG.value, _WORKDIR.value, _MODE.value, _SPLIT.value, _WHICH.value)
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  results = run(config, workdir, _MODE.value, _SPLIT.value, _WHICH.value)
+  if (_MODE.value == 'train' and results and 'caption' in config.stages
+      and int(os.environ.get('JAX_PROCESS_ID', '0')) == 0):
+    warm_up_caption_command(workdir)
 
 
 if __name__ == '__main__':

@@ -152,6 +152,16 @@ def _names(pairs) -> list[tuple[str, str]]:
   return [(os.path.basename(b), os.path.basename(a)) for b, a in pairs]
 
 
+def test_warm_up_takes_no_images_and_needs_a_run(tmp_path, capsys):
+  from procap_jax import caption
+  with pytest.raises(SystemExit) as e:
+    caption.main(['--workdir', str(tmp_path), '--warm_up', 'a.png', 'b.png'])
+  assert e.value.code == 2 and '--warm_up takes no images' in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    caption.main(['--workdir', str(tmp_path), '--warm_up'])
+  assert e.value.code == 2 and 'not a procap-jax run' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('before,after,expected', [
     (['x.png', 'y.png'], ['x.png', 'y.png'], [('x.png', 'x.png'), ('y.png', 'y.png')]),
     (['CLEVR_default_000123.png', 'CLEVR_default_000002.png'],

@@ -180,6 +180,23 @@ def test_caption_command_imports_no_training_code(finished_run, tmp_path):
   assert lines[1] == '[]', lines[1]
 
 
+def test_training_command_fills_the_inference_cache(finished_run, tmp_path, capsys):
+  """After training, `main` runs `procap_jax.caption --warm_up` in a fresh process: the cached
+  parameters are there before the user's first caption command."""
+  import shutil
+  _, workdir, _ = finished_run
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns('inference_cache'))
+  cache = copy / 'caption' / 'inference_cache' / 'params.npz'
+  assert not cache.exists()
+  assert main.warm_up_caption_command(str(copy))
+  assert cache.is_file()
+  assert 'ready' in capsys.readouterr().out
+  # A folder that is not a run: a notice naming the reason, and no exception.
+  assert not main.warm_up_caption_command(str(tmp_path / 'missing'))
+  assert 'could not fill the inference cache' in capsys.readouterr().out
+
+
 def test_caption_command_needs_a_run(tmp_path, capsys):
   from procap_jax import caption
   with pytest.raises(SystemExit):
