@@ -30,6 +30,7 @@ CLI: `python -m procap_jax.evaluation --results R.json --references G.json [--ou
 import argparse
 import json
 import os
+import re
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -117,9 +118,31 @@ def score_captions(predictions: Mapping[str, str], references: Mapping[str, Sequ
   finally:
     if meteor_scorer is not None:
       java_scorers.stop_meteor(meteor_scorer)
+  if groups and 'change' in group_ids and 'no_change' in group_ids:
+    results['all']['change_decision'] = change_decision(
+        predictions, references, group_ids['change'], group_ids['no_change'])
   if notes:
     results['notes'] = notes
   return results
+
+
+def _normalised(caption: str) -> str:
+  return ' '.join(re.sub(r'[^a-z0-9 ]', ' ', caption.lower()).split())
+
+
+def change_decision(predictions: Mapping[str, str], references: Mapping[str, Sequence[str]],
+                    change_ids: Iterable[str], no_change_ids: Iterable[str]) -> float:
+  """How often the captions get "changed or not" right: a prediction says "no change" when it is
+  (up to case, punctuation and spacing) one of the reference sentences of the no-change pairs
+  (CLEVR-Change's and the synthetic benchmark's few no-change templates), and is right when
+  that agrees with its pair's group. Returns the fraction of `change_ids` + `no_change_ids`
+  decided right (0.5 for a captioner that always or never says "no change" on balanced groups).
+  """
+  change_ids, no_change_ids = list(change_ids), list(no_change_ids)
+  templates = {_normalised(r) for i in no_change_ids for r in references[i] if r.strip()}
+  says_none = lambda i: _normalised(predictions[i]) in templates
+  right = sum(not says_none(i) for i in change_ids) + sum(says_none(i) for i in no_change_ids)
+  return right / max(1, len(change_ids) + len(no_change_ids))
 
 
 def clevr_groups(ids: Iterable[str]) -> dict[str, list[str]]:

@@ -73,6 +73,25 @@ def test_only_predicted_ids_are_scored():
   assert _score(HYPS, extra_refs) == _score(HYPS, REFS)
 
 
+def test_change_decision_counts_no_change_templates():
+  refs = {'1c': ['the red cube is now blue'], '2c': ['a sphere was added'],
+          '3c': ['the cube moved'], '1nc': ['there is no change', 'Nothing has changed.'],
+          '2nc': ['no change was made']}
+  preds = {'1c': 'the red cube is now blue',      # right: a change
+           '2c': 'nothing has changed',           # wrong: says no change
+           '3c': 'no  change was made .',         # wrong (case, spacing, punctuation ignored)
+           '1nc': 'There is no change',           # right
+           '2nc': 'the cube moved'}               # wrong: invents a change
+  groups = evaluation.clevr_groups(preds)
+  assert evaluation.change_decision(preds, refs, groups['change'], groups['no_change']) == 2 / 5
+  scores = _score(preds, refs, groups=groups)
+  assert scores['all']['change_decision'] == 2 / 5 and 'change_decision' not in scores['change']
+  always_none = {i: 'there is no change' for i in preds}
+  assert evaluation.change_decision(always_none, refs, groups['change'],
+                                    groups['no_change']) == 2 / 5
+  assert 'change_decision' not in _score(HYPS, REFS)['all']  # no groups: not defined
+
+
 def test_clevr_and_type_groups():
   ids = ['000001c', '000001nc', '000002c', '000002nc']
   assert evaluation.clevr_groups(ids) == {'change': ['000001c', '000002c'],
