@@ -4,9 +4,12 @@ ordinary `main` runs tested elsewhere)."""
 from procap_jax import ablations
 
 
-def _run(cider, change):
-  return {'metrics': {'CIDEr': cider, 'Bleu_4': 0.1, 'METEOR': 0.2, 'ROUGE_L': 0.3,
-                      'change/CIDEr': change, 'no_change/CIDEr': 0.0, 'color/CIDEr': change}}
+def _run(cider, change, seed=0, decision=0.5):
+  return {'seed': seed,
+          'metrics': {'CIDEr': cider, 'Bleu_4': 0.1, 'METEOR': 0.2, 'ROUGE_L': 0.3,
+                      'change/CIDEr': change, 'no_change/CIDEr': 0.0, 'color/CIDEr': change,
+                      'change_decision': decision,
+                      **{f'{t}/CIDEr': 0.9 for t in ('material', 'add', 'drop', 'move')}}}
 
 
 def test_table_mean_and_std_over_seeds_with_the_paper_column():
@@ -37,3 +40,30 @@ def test_no_queries_reuses_the_stage1_of_k2_which_runs_first():
   for variant, source in ablations.SHARED_STAGE1.items():
     assert ablations.RUN_ORDER.index(source) < ablations.RUN_ORDER.index(variant)
   assert sorted(ablations.RUN_ORDER) == sorted(ablations.VARIANTS)
+
+
+def test_goals_state_met_or_missed_with_numbers():
+  full = [_run(1.30, 0.9, seed=0, decision=0.95), _run(1.10, 0.5, seed=1, decision=0.91)]
+  static = [_run(1.00, 0.5, seed=0), _run(1.05, 0.5, seed=1)]
+  no_queries = [_run(1.40, 0.5, seed=0), _run(1.20, 0.5, seed=1)]
+  text = ablations.goals({'k2': full, 'static': static, 'no_queries': no_queries})
+  lines = text.splitlines()
+  assert lines[0] == '- full ProCap test CIDEr >= 120: met (120.0)'
+  assert lines[1] == '- change / no-change decision >= 90 %: met (93.0 %)'
+  assert lines[2] == '- CIDEr >= 80 on every change type: missed (lowest: color 70.0)'
+  # Per-seed differences: full - static = 30, 5 -> 17.5 ± 12.5 > 10 holds.
+  static_line = next(x for x in lines if 'static' in x)
+  assert 'holds' in static_line and '+17.5 ± 12.5' in static_line and '2 seeds' in static_line
+  # no_queries scores above full on both seeds: the ordering is reported as not holding.
+  nq_line = next(x for x in lines if x.startswith('- stage 1, no queries'))
+  assert 'does not hold' in nq_line and '-10.0' in nq_line
+  assert 'k sweep' not in text  # k1 and k4 not run
+  assert 'not run' in ablations.goals({'static': static})
+
+
+def test_decision_and_type_columns():
+  runs = [_run(0.4, 0.6, decision=0.6), _run(0.6, 0.8, seed=1, decision=0.7)]
+  row = next(r for r in ablations.table({'k2': runs}).splitlines() if r.startswith('| full'))
+  assert '65.0 ± 5.0' in row
+  typed = next(r for r in ablations.by_type({'k2': runs}).splitlines() if r.startswith('| full'))
+  assert '70.0 ± 10.0' in typed and '| n/a |' in typed  # 'none' CIDEr absent in these runs
