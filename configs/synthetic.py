@@ -89,6 +89,10 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
       warmup_steps=10 if preset == 'tiny' else 100,
       clip=1.0,                        # global-norm gradient clipping (codebook excluded)
       frames_per_example=1,            # random keyframes per example per step (0 = all T)
+      # > 0: the step's frames go through the VQGAN (and discriminator) this many at a time, in
+      # a checkpointed loop: memory of one chunk's activations, the same values (docs/
+      # performance.md, "Memory"); 0 = all frames at once. Must divide batch x frames.
+      frames_chunk=0,
       l1_weight=1.0,                   # reconstruction losses in the [-1, 1] space
       l2_weight=1.0,
       codebook_weight=1.0,             # x beta x commitment; the codebook itself follows an EMA

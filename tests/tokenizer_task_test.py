@@ -202,6 +202,52 @@ def test_gan_switch_runs_one_step():
   assert any(jax.tree.leaves(moved['disc'])) and any(jax.tree.leaves(moved['decoder']))
 
 
+@pytest.mark.parametrize('gan_weight', [0.0, 0.1])
+def test_frames_chunk_gives_the_same_loss_gradients_and_statistics(gan_weight):
+  """frames_chunk runs the frames through the model 2 at a time in a checkpointed loop: the
+  loss, every gradient (VQGAN and discriminator), the metrics and the EMA state equal the
+  all-at-once step's."""
+  batch = {'keyframes': _scenes(4)}
+  results = []
+  for chunk in (0, 2):
+    config = _config(gan_weight=gan_weight, frames_per_example=2, frames_chunk=chunk)
+    model = tokenizer.build_model(config)
+    params = _params(model, config, batch)
+    state = tokenizer.init_model_state(model, config, None, batch)
+    fn = jax.jit(jax.value_and_grad(tokenizer.loss_fn, has_aux=True),
+                 static_argnames=('config', 'model'))
+    (loss, (metrics, new_state)), grads = fn(params, state, None, batch, jax.random.key(3),
+                                             config=ml_collections.FrozenConfigDict(config),
+                                             model=model)
+    results.append((loss, metrics, new_state, grads))
+  (loss0, m0, s0, g0), (loss1, m1, s1, g1) = results
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  for k in m0:
+    np.testing.assert_allclose(m1[k], m0[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  overall = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
+  for path, a in jax.tree_util.tree_leaves_with_path(g1):
+    b = g0
+    for p in path:
+      b = b[p.key]
+    # Leaves whose true gradient is 0 (attention key biases, conv biases before a GroupNorm)
+    # hold rounding noise: an absolute floor of a millionth of the largest gradient.
+    bound = 1e-4 * float(jnp.abs(b).max()) + 1e-6 * overall
+    assert float(jnp.abs(a - b).max()) <= bound, jax.tree_util.keystr(path)
+  assert ('disc' in g1) == (gan_weight > 0)
+
+
+def test_frames_chunk_must_divide_the_frames():
+  config = _config(frames_chunk=3)
+  model = tokenizer.build_model(config)
+  batch = {'keyframes': _scenes(4)}
+  params = _params(model, config, batch)
+  state = tokenizer.init_model_state(model, config, None, batch)
+  with pytest.raises(ValueError, match='frames_chunk=3 must divide the 4 frames'):
+    tokenizer.loss_fn(params, state, None, batch, jax.random.key(0), config, model)
+
+
 def test_psnr_and_usage_formulas():
   np.testing.assert_allclose(tokenizer.psnr_from_mse(0.01), 20.0, rtol=1e-6)
   np.testing.assert_allclose(tokenizer.psnr_from_mse(1e-4), 40.0, rtol=1e-6)

@@ -179,6 +179,64 @@ def perplexity(counts: jax.Array) -> jax.Array:
   return jnp.exp(-jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0)))
 
 
+def _frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
+                 config: ml_collections.ConfigDict, model: vqgan.VQGAN) -> tuple[dict, dict]:
+  """The per-frame part of the loss on frames x [F, S, S, 3] in [0, 1].
+
+  Returns (means over these frames: l1, l2, commitment (+ gan_g, gan_d_real, gan_d_fake);
+  per-frame outputs: z [F, h, w, D], indices [F, N], mse [F]). Means of equal-sized chunks
+  average to the means of their union, so `loss_fn` may run this on chunks of frames.
+  """
+  vq_params = {k: v for k, v in params.items() if k != 'disc'}
+  out = model.apply({'params': vq_params}, x, train=True, rngs={'dropout': dropout_rng})
+  diff = 2.0 * (out['reconstruction'] - x)  # [-1, 1] space
+  means = dict(l1=jnp.mean(jnp.abs(diff)), l2=jnp.mean(diff ** 2),
+               commitment=out['commitment_loss'])
+  mse = jnp.mean((jnp.clip(out['reconstruction'], 0.0, 1.0) - x) ** 2, axis=(1, 2, 3))  # [F]
+  if config.tokenizer.train.gan_weight > 0:
+    disc = _discriminator(config)
+    real, fake = 2.0 * x - 1.0, 2.0 * out['reconstruction'] - 1.0
+    means['gan_g'] = -jnp.mean(disc.apply({'params': jax.lax.stop_gradient(params['disc'])},
+                                          fake))
+    logits_real = disc.apply({'params': params['disc']}, real)
+    logits_fake = disc.apply({'params': params['disc']}, jax.lax.stop_gradient(fake))
+    means['gan_d_real'] = jnp.mean(jax.nn.relu(1.0 - logits_real))
+    means['gan_d_fake'] = jnp.mean(jax.nn.relu(1.0 + logits_fake))
+  return means, dict(z=out['z'], indices=out['indices'], mse=mse)
+
+
+def chunked_frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
+                        config: ml_collections.ConfigDict,
+                        model: vqgan.VQGAN) -> tuple[dict, dict]:
+  """`_frame_terms` on all frames, or with `frames_chunk` C > 0 on C frames at a time.
+
+  Chunks run as a `lax.map` with a checkpointed body, so the backward pass keeps only each
+  chunk's input frames and recomputes one chunk's activations at a time: memory for C frames
+  instead of F, for the same values (up to summation order; dropout masks differ per chunk).
+  XLA:CPU keeps `nn.remat` recomputations alive across blocks, so only a loop bounds it
+  (docs/performance.md, "Memory").
+  """
+  f = x.shape[0]
+  c = int(config.tokenizer.train.frames_chunk)
+  if c <= 0 or c >= f:
+    return _frame_terms(params, x, dropout_rng, config, model)
+  if f % c:
+    raise ValueError(f'config.tokenizer.train.frames_chunk={c} must divide the {f} frames of a '
+                     'step (batch_size x frames_per_example)')
+  chunks = x.reshape((f // c, c) + x.shape[1:])  # [F/C, C, S, S, 3]
+  rngs = jax.random.split(dropout_rng, f // c)
+
+  @jax.checkpoint
+  def body(args):
+    frames, rng = args
+    return _frame_terms(params, frames, rng, config, model)
+
+  means, per_frame = jax.lax.map(body, (chunks, rngs))
+  means = jax.tree.map(lambda v: jnp.mean(v, axis=0), means)
+  per_frame = jax.tree.map(lambda v: v.reshape((f,) + v.shape[2:]), per_frame)  # [F, ...]
+  return means, per_frame
+
+
 def loss_fn(params: Any, model_state: dict, constants: Any, batch: dict, rng: jax.Array,
             config: ml_collections.ConfigDict, model: vqgan.VQGAN) -> tuple[jax.Array, tuple]:
   """Training loss (see the module docstring); pure and jittable."""
@@ -187,13 +245,10 @@ def loss_fn(params: Any, model_state: dict, constants: Any, batch: dict, rng: ja
   params = nn.meta.unbox(params)
   frame_rng, restart_rng, dropout_rng = jax.random.split(rng, 3)
   x = select_frames(batch['keyframes'], tc.frames_per_example, frame_rng)  # [F, S, S, 3]
-  vq_params = {k: v for k, v in params.items() if k != 'disc'}
-  out = model.apply({'params': vq_params}, x, train=True, rngs={'dropout': dropout_rng})
-  diff = 2.0 * (out['reconstruction'] - x)  # [-1, 1] space
-  l1 = jnp.mean(jnp.abs(diff))
-  l2 = jnp.mean(diff ** 2)
+  means, out = chunked_frame_terms(params, x, dropout_rng, config, model)
+  l1, l2 = means['l1'], means['l2']
   loss = tc.l1_weight * l1 + tc.l2_weight * l2
-  loss += tc.codebook_weight * model.beta * out['commitment_loss']
+  loss += tc.codebook_weight * model.beta * means['commitment']
 
   codebook = params['quantize']['embedding']
   new_state, new_codebook, code_metrics = update_codebook(
@@ -201,17 +256,12 @@ def loss_fn(params: Any, model_state: dict, constants: Any, batch: dict, rng: ja
   loss += assignment_term(codebook, new_codebook)
 
   counts = jnp.zeros((model.n_embed,), jnp.float32).at[out['indices'].reshape(-1)].add(1.0)
-  mse = jnp.mean((jnp.clip(out['reconstruction'], 0.0, 1.0) - x) ** 2, axis=(1, 2, 3))  # [F]
-  metrics = dict(l1=l1, l2=l2, commitment=out['commitment_loss'],
-                 psnr=jnp.mean(psnr_from_mse(mse)), perplexity=perplexity(counts), **code_metrics)
+  metrics = dict(l1=l1, l2=l2, commitment=means['commitment'],
+                 psnr=jnp.mean(psnr_from_mse(out['mse'])), perplexity=perplexity(counts),
+                 **code_metrics)
   if tc.gan_weight > 0:
-    disc = _discriminator(config)
-    real, fake = 2.0 * x - 1.0, 2.0 * out['reconstruction'] - 1.0
-    g_loss = -jnp.mean(disc.apply({'params': jax.lax.stop_gradient(params['disc'])}, fake))
-    logits_real = disc.apply({'params': params['disc']}, real)
-    logits_fake = disc.apply({'params': params['disc']}, jax.lax.stop_gradient(fake))
-    d_loss = 0.5 * (jnp.mean(jax.nn.relu(1.0 - logits_real)) +
-                    jnp.mean(jax.nn.relu(1.0 + logits_fake)))
+    g_loss = means['gan_g']
+    d_loss = 0.5 * (means['gan_d_real'] + means['gan_d_fake'])
     loss += tc.gan_weight * g_loss + d_loss
     metrics.update(gan_g=g_loss, gan_d=d_loss)
   metrics['loss'] = loss
