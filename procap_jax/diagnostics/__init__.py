@@ -2,6 +2,7 @@
 
   python -m procap_jax.diagnostics.code_statistics --workdir W    the tokenizer's code statistics
   python -m procap_jax.diagnostics.probe_consistency --workdir W  probes of stage 1's binary tasks
+  python -m procap_jax.diagnostics.probe_attributes --workdir W   what a pair shows of its change
   python -m procap_jax.diagnostics.head_logits --workdir W        stage-1 binary heads' raw logits
   python -m procap_jax.diagnostics.diagnose_caption --workdir W   why a captioner ignores images
   python -m procap_jax.diagnostics.match_ceiling                  caption matching's ceiling
