@@ -73,8 +73,8 @@ def tiny_config(tiny_data_dir):
 
 # The slowest files first (descending): the two xdist workers take whole files in collection
 # order, so a long file left for the end would run alone while the other worker idles.
-_SLOW_FILES_FIRST = ('multihost_test.py', 'real_builders_test.py', 'train_sharding_test.py',
-                     'end_to_end_test.py', 'reliability_train_test.py')
+_SLOW_FILES_FIRST = ('multihost_test.py', 'real_builders_test.py', 'paper_preset_test.py',
+                     'train_sharding_test.py', 'end_to_end_test.py', 'reliability_train_test.py')
 
 
 def pytest_collection_modifyitems(session, config, items):
