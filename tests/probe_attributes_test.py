@@ -41,6 +41,9 @@ def test_render_split_gives_the_built_records(tiny_config):
   assert set(built) == set(rendered)
   for key, value in built.items():
     np.testing.assert_array_equal(rendered[key], value, err_msg=key)
+  larger = pa.render_split(tiny_config, 'test', limit=2, size=48)  # the same scenes, drawn larger
+  assert larger['before'].shape == (2, 48, 48, 3)
+  np.testing.assert_array_equal(larger['where'], built['where'][:2])
 
 
 def test_pair_inputs_and_the_probe_shapes():

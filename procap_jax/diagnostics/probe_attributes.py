@@ -113,11 +113,12 @@ def load_split(config, workdir: str, split: str, limit: int = 0) -> dict[str, np
           for k, v in out.items()}
 
 
-def render_split(config, split: str, limit: int = 0) -> dict[str, np.ndarray]:
+def render_split(config, split: str, limit: int = 0, size: int = 0) -> dict[str, np.ndarray]:
   """As `load_split`, with the before and after images rendered from the synthetic benchmark's
   scene specification (the same pixels as the built dataset's records, in the same order) instead
   of read from a built dataset. It makes no interpolated frames and encodes no PNG, so it is
-  several times faster than a build (minutes for `small`)."""
+  several times faster than a build (minutes for `small`). `size` > 0 draws the same scenes at
+  that image size instead (the renderer's own drawing, not a resize)."""
   from tfds_builders.synthetic_change import generate
   from tfds_builders.synthetic_change import render
   from tfds_builders.synthetic_change import scene
@@ -126,13 +127,14 @@ def render_split(config, split: str, limit: int = 0) -> dict[str, np.ndarray]:
     raise errors.UserError('--source render needs the synthetic benchmark; use --source dataset')
   spec = {c.name: c for c in builder.CONFIGS}[config.data.builder_config]
   n = spec.num_scenes(split) if limit <= 0 else min(-(-limit // 2), spec.num_scenes(split))
-  size = int(config.data.image_size)
+  drawn = size or spec.image_size
+  size = size or int(config.data.image_size)
   out = {'before': [], 'after': [], 'kind': []}
   out.update({t: [] for t in TASKS})
   for i in range(n):
     for pair in scene.sample_pairs(spec.seed, split, i):  # change pair, then distractor
-      out['before'].append(pipeline.resize(render.render(*pair.at(0.0), spec.image_size), size))
-      out['after'].append(pipeline.resize(render.render(*pair.at(1.0), spec.image_size), size))
+      out['before'].append(pipeline.resize(render.render(*pair.at(0.0), drawn), size))
+      out['after'].append(pipeline.resize(render.render(*pair.at(1.0), drawn), size))
       out['kind'].append(pipeline.CHANGE_TYPES.index(pair.change_type))
       for t, v in labels_of(generate.change_params(pair)).items():
         out[t].append(v)
@@ -142,7 +144,7 @@ def render_split(config, split: str, limit: int = 0) -> dict[str, np.ndarray]:
 
 
 def load_splits(config, workdir: str, limit: int = 0, cache: str = '',
-                source: str = 'dataset') -> dict[str, dict]:
+                source: str = 'dataset', render_size: int = 0) -> dict[str, dict]:
   """`load_split` (`source` 'dataset') or `render_split` ('render') of every split; read from
   (or written to) the .npz file `cache` if given."""
   if cache and os.path.exists(cache):
@@ -150,7 +152,7 @@ def load_splits(config, workdir: str, limit: int = 0, cache: str = '',
       return {s: {k.split('/', 1)[1]: f[k] for k in f.files if k.startswith(s + '/')}
               for s in SPLITS}
   if source == 'render':
-    data = {s: render_split(config, s, limit) for s in SPLITS}
+    data = {s: render_split(config, s, limit, render_size) for s in SPLITS}
   else:
     data = {s: load_split(config, workdir, s, limit) for s in SPLITS}
   if cache:
@@ -309,13 +311,17 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--source', default='dataset', choices=('dataset', 'render'),
                       help="the run's built dataset, or (synthetic benchmark only) the same "
                       'pairs rendered from its scene specification')
+  parser.add_argument('--render-size', type=int, default=0,
+                      help='--source render: draw the scenes at this image size (default: the '
+                      "benchmark's); pixels only")
   args = parser.parse_args(argv)
   if not os.path.exists(os.path.join(args.workdir, 'config.json')):
     raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
   from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   try:
-    data = load_splits(config, args.workdir, args.limit, args.cache, args.source)
+    data = load_splits(config, args.workdir, args.limit, args.cache, args.source,
+                       args.render_size)
     labels = {s: {t: d[t] for t in TASKS} for s, d in data.items()}
     for which in (w for w in args.inputs.split(',') if w):
       inputs, patch = probe_inputs(config, args.workdir, data, which, args.pixel_patch)
