@@ -49,6 +49,9 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   config.tokenizer.train.steps = 50_000
   config.tokenizer.train.batch_size = 16
   config.tokenizer.train.lr = 4.5e-6 * 16      # taming's base lr x batch
+  # Memory only (same values): the 16 frames of a step go through the VQGAN 4 at a time in a
+  # checkpointed loop, 21.5 -> 5.8 GiB of compiled temporaries (docs/performance.md).
+  config.tokenizer.train.frames_chunk = 4
   p = config.pretrain.model
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
   p.text_vocab_size = 49408                      # CLIP BPE's ids (data.encoder_text)
