@@ -51,6 +51,12 @@ def _data(preset: str) -> ml_collections.ConfigDict:
   # open_clip_torch or clip package. Read only when captions are tokenised.
   d.bpe_merges_file = ''
   d.num_workers = 0                    # grain worker processes (0 = in-process)
+  # Stages 1 and 2 read the frozen tokenizer's features and codes of every source frame from a
+  # cache built once after stage 0 (<data dir>/<dataset>/feature_cache/; docs/performance.md,
+  # "Tokenizer feature cache") instead of encoding the frames every step. Same values.
+  d.feature_cache = True
+  # Its feature storage: 'float32' (the encoded values) | 'float16' (half the disk, rounded).
+  d.feature_cache_dtype = 'float32'
   # Build a missing dataset on Apache Beam with these flags (pip install -e '.[beam]'), e.g.
   # '--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing';
   # '' = the local process pool (docs/performance.md, "Building datasets on Beam").

@@ -17,6 +17,7 @@ _CHOICES = {
     'data.frame_source': ('frames', 'oracle', 'crossfade'),
     'data.sampler': ('confidence', 'uniform', 'topk'),
     'data.scores_feature': ('stats', 'tokenizer'),
+    'data.feature_cache_dtype': ('float32', 'float16'),
     'tokenizer.model.feature_input_scale': ('unit', 'signed'),
     'tokenizer.model.token_input_scale': ('unit', 'signed'),
     'pretrain.train.warmup': ('log', 'linear'),

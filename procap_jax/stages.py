@@ -17,6 +17,7 @@ from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax import train
 from procap_jax.data import datasets
+from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 from procap_jax.tasks import caption as caption_task
 from procap_jax.tasks import pretrain as pretrain_task
@@ -241,7 +242,8 @@ def evaluate_pretrain_test(config, workdir: str) -> dict:
   if os.path.exists(path):
     return _read_json(path)
   task, model, state, constants, step = restore_for_eval(config, workdir, 'pretrain', 'best')
-  batches = pretrain_task.eval_batches(config, 'test', workdir, num_batches=0)
+  cache = feature_cache.load(config, workdir, constants['tokenizer'])
+  batches = pretrain_task.eval_batches(config, 'test', workdir, num_batches=0, cache=cache)
   metrics = task.evaluate(state, constants, config, model, 'test', workdir, batches=batches)
   out = {'split': 'test', 'checkpoint': 'best', 'checkpoint_step': int(step),
          'selected_on': 'val loss', 'metrics': {k: float(v) for k, v in metrics.items()}}

@@ -20,6 +20,7 @@ import optax
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax import sharding
+from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 
 
@@ -43,6 +44,10 @@ class Task:
     make_optimizer: (config, total_steps) -> optax.GradientTransformation.
     evaluate: (state, constants, config, model, split, workdir) -> dict of python floats
       (host side; may call jitted functions).
+    feature_cache: None, or (config) -> the stage's frozen tokenizer: the stage then reads its
+      encodings from the tokenizer feature cache when `config.data.feature_cache`
+      (`data/feature_cache.py`); the trainer builds a missing one with this tokenizer and
+      `constants['tokenizer']`, and its batches carry the cached keys.
   """
   name: str
   build_model: Callable[..., Any]
@@ -53,6 +58,7 @@ class Task:
   init_model_state: Callable[..., Any] = lambda model, config, rng, batch: {}
   load_constants: Callable[..., Any] = lambda config, workdir: None
   restore_init: Callable[..., Any] | None = None
+  feature_cache: Callable[..., Any] | None = None
 
 
 @flax.struct.dataclass
@@ -245,14 +251,19 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   pipeline.resolve_vocab_sizes(config, workdir)
   model = task.build_model(config)
   rows = sharding.process_batch_rows(mesh, batch_size) if jax.process_count() > 1 else None
-  train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed, rows=rows)
+  constants = task.load_constants(config, workdir)
+  cache = (None if task.feature_cache is None else feature_cache.load(
+      config, workdir, constants['tokenizer'], build_missing=True,
+      tokenizer=task.feature_cache(config)))
+  train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed, rows=rows,
+                                         cache=cache)
   example = jax.tree.map(np.asarray, train_ds[0])
   tx = task.make_optimizer(config, total)
   rng = jax.random.key(seed)
   state, state_sh = create_state(task, model, config, tx, jax.random.fold_in(rng, 1), example,
                                  mesh)
+  # Every key of the batch contract (the cache's keys included) along the 'data' axis.
   batch_sh = {k: sharding.batch_sharding(mesh, np.asarray(v).ndim) for k, v in example.items()}
-  constants = task.load_constants(config, workdir)
   const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
   constants = jax.device_put(constants, const_sh)
   step_fn = make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)

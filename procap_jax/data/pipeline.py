@@ -14,6 +14,13 @@ L = config.data.max_caption_len):
   example_index   int32  [B]              index of the record in its split
   valid           bool   [B]              False on padding rows of the last eval batch
 
+With the tokenizer feature cache (`data.feature_cache`, stages 1 and 2: `feature_cache.py`) the
+batch also carries the frozen tokenizer's encodings of `keyframes`, gathered by keyframe_index
+(h x w token grid, C feature channels, N = h*w):
+
+  keyframe_features  float  [B, T, h, w, C]  features (float32 or float16: the cache's dtype)
+  keyframe_codes     int32  [B, T, N]        codes
+
 Randomness (caption choice, keyframe draw) is seeded per (seed, example index, epoch) inside a
 grain `random_map`, and the training iterator is a grain dataset whose state (`get_state`) is
 saved with every checkpoint, so a resumed run sees exactly the batches it would have seen.
@@ -160,11 +167,44 @@ def resize(img: np.ndarray, size: int) -> np.ndarray:
   return cv2.resize(img, (size, size), interpolation=interp).astype(np.uint8)
 
 
+def _interpolated(record: dict, before: np.ndarray, after: np.ndarray, source: str):
+  """The 9 frames of `data.frame_source` (any size; frame 0 = before, 8 = after)."""
+  if source == 'crossfade':
+    return interpolation.interpolate(before, after, NUM_SOURCE_FRAMES, method='crossfade')
+  key = {'frames': 'frames', 'oracle': 'oracle_frames'}[source]
+  frames = record[key]
+  if len(frames) == 0:
+    raise errors.UserError(f'this dataset has no {key!r}; set config.data.frame_source to '
+                           "'frames' or 'crossfade' (oracle frames exist for synthetic data "
+                           'only)')
+  return frames
+
+
+def source_frames(config, record: dict) -> np.ndarray:
+  """uint8 [9, S, S, 3]: every image `keyframes` can hold for this record, by keyframe_index.
+
+  Index 0 is the resized before image and 8 the after image (what the transform puts at the
+  ends), 1..7 the resized interior frames of `data.frame_source` (the sampler draws only those).
+  """
+  size = config.data.image_size
+  before, after = resize(record['before'], size), resize(record['after'], size)
+  frames = _interpolated(record, before, after, config.data.frame_source)
+  if len(frames) != NUM_SOURCE_FRAMES:
+    raise errors.UserError(f'a record has {len(frames)} frames instead of {NUM_SOURCE_FRAMES}; '
+                           'rebuild the dataset with this version of its builder')
+  inner = [resize(frames[i], size) for i in range(1, NUM_SOURCE_FRAMES - 1)]
+  return np.stack([before] + inner + [after]).astype(np.uint8)  # [9, S, S, 3]
+
+
 class _Transform:
-  """Record -> example of the batch contract (without the batch axis)."""
+  """Record -> example of the batch contract (without the batch axis).
+
+  With `cache` (a `feature_cache.SplitCache` of the transform's split) the example also
+  carries the cached encodings of its keyframes (`keyframe_features`, `keyframe_codes`).
+  """
 
   def __init__(self, config, vocab, scores, train: bool, seed: int,
-               bpe_tokenizer: bpe.Bpe | None = None):
+               bpe_tokenizer: bpe.Bpe | None = None, cache=None):
     self.size = config.data.image_size
     self.k = config.data.num_keyframes
     self.source = config.data.frame_source
@@ -175,17 +215,10 @@ class _Transform:
     self.scores = scores
     self.train = train
     self.seed = seed
+    self.cache = cache
 
   def frames(self, record: dict, before: np.ndarray, after: np.ndarray) -> np.ndarray:
-    if self.source == 'crossfade':
-      return interpolation.interpolate(before, after, NUM_SOURCE_FRAMES, method='crossfade')
-    key = {'frames': 'frames', 'oracle': 'oracle_frames'}[self.source]
-    frames = record[key]
-    if len(frames) == 0:
-      raise errors.UserError(f'this dataset has no {key!r}; set config.data.frame_source to '
-                             "'frames' or 'crossfade' (oracle frames exist for synthetic data "
-                             'only)')
-    return frames
+    return _interpolated(record, before, after, self.source)
 
   def __call__(self, record: dict, index: int, rng: np.random.Generator) -> dict:
     before = resize(record['before'], self.size)
@@ -210,7 +243,7 @@ class _Transform:
     else:  # a pair without any caption (user data at inference time): no text input
       caption_in = np.zeros([self.max_len], np.int32)
       encoder_text = np.zeros([self.max_len], np.int32)
-    return {
+    example = {
         'before': before, 'after': after, 'keyframes': keyframes.astype(np.uint8),
         'keyframe_index': np.asarray(idx, np.int32),
         'caption_in': np.asarray(caption_in, np.int32),
@@ -218,25 +251,32 @@ class _Transform:
         'change_type': np.int32(record['change_type']),
         'example_index': np.int32(index), 'valid': np.bool_(True),
     }
+    if self.cache is not None:
+      example.update(self.cache.gather(index, example['keyframe_index']))
+    return example
 
 
-def make_transform(config, workdir: str, train: bool) -> _Transform:
+def make_transform(config, workdir: str, train: bool, cache=None) -> _Transform:
   """The record -> example transform of the batch contract for this config's dataset.
 
   With `data.encoder_text='clip_bpe'` it reads the BPE merges file (UserError when missing).
+  `cache`: a `feature_cache.SplitCache` of the split read, or None (no cached encodings).
   """
   tokenizer = (bpe.load(config.data.bpe_merges_file)
                if config.data.encoder_text == 'clip_bpe' else None)
   return _Transform(config, load_vocab(config, workdir), load_scores(config, workdir),
-                    train=train, seed=config.seed, bpe_tokenizer=tokenizer)
+                    train=train, seed=config.seed, bpe_tokenizer=tokenizer, cache=cache)
 
 
 def _indexed(src):
-  return grain.MapDataset.source(src).map_with_index(lambda i, r: (i, r))
+  # (record index, record). Under a later shuffle and repeat, grain passes map_with_index the
+  # index in the repeated stream (epoch * n + record), hence the modulo.
+  n = len(src)
+  return grain.MapDataset.source(src).map_with_index(lambda i, r: (i % n, r))
 
 
 def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
-                       rows: tuple[int, int] | None = None) -> grain.MapDataset:
+                       rows: tuple[int, int] | None = None, cache=None) -> grain.MapDataset:
   """An endless, per-epoch reshuffled MapDataset of training batches for this process.
 
   Args:
@@ -246,6 +286,7 @@ def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
     seed: shuffling and per-example randomness.
     rows: [start, stop), the rows of every global batch this process reads
       (`sharding.process_batch_rows(mesh, B)`); None = all rows (one process).
+    cache: a `feature_cache.FeatureCache`: the batches also carry the cached encodings.
 
   Global batch i is examples [i B, (i + 1) B) of one shuffled stream whatever the number of
   processes; a process reads only its rows of it (lazily: it transforms no other example), so
@@ -255,7 +296,8 @@ def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
   if len(src) < batch_size:
     raise errors.UserError(f'the train split has {len(src)} examples, fewer than the batch size '
                            f'{batch_size}; lower the batch size or build a larger dataset')
-  transform = make_transform(config, workdir, train=True)
+  transform = make_transform(config, workdir, train=True,
+                             cache=cache.split('train') if cache is not None else None)
   ds = _indexed(src).seed(seed).shuffle().repeat(None)
   ds = ds.random_map(lambda ir, rng: transform(ir[1], ir[0], rng))
   start, stop = rows if rows is not None else (0, batch_size)
@@ -295,7 +337,8 @@ def make_train_iterator(config, workdir: str, batch_size: int, seed: int) -> Tra
 
 
 def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
-                       num_batches: int = 0, shuffled: bool = False) -> Iterator[dict]:
+                       num_batches: int = 0, shuffled: bool = False,
+                       cache=None) -> Iterator[dict]:
   """Batches of `split`; deterministic keyframes, first caption.
 
   Records come in record order, or with `shuffled` in one fixed permutation (seeded by
@@ -305,10 +348,12 @@ def make_eval_iterator(config, split: str, workdir: str, batch_size: int,
   another no-change caption.
 
   The last batch is padded to `batch_size` with copies of its first row marked `valid=False`.
-  `num_batches=0` means the whole split.
+  `num_batches=0` means the whole split. With `cache` (a `feature_cache.FeatureCache`) the
+  batches also carry the cached encodings of their keyframes.
   """
   src = open_source(config, workdir, split)
-  transform = make_transform(config, workdir, train=False)
+  transform = make_transform(config, workdir, train=False,
+                             cache=cache.split(split) if cache is not None else None)
   n = len(src) if not num_batches else min(len(src), num_batches * batch_size)
   order = (np.random.default_rng(int(config.seed)).permutation(len(src)) if shuffled
            else np.arange(len(src)))[:n]

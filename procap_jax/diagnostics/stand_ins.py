@@ -13,8 +13,12 @@ import numpy as np
 from procap_jax.models import vqgan
 
 
-def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
-  """A batch of the contract with random content: frames [B, T, S, S, 3] and captions [B, L]."""
+def fake_batch(config, batch_size: int, seed: int = 0, feature_cache: bool = False) -> dict:
+  """A batch of the contract with random content: frames [B, T, S, S, 3] and captions [B, L].
+
+  With `feature_cache` it also carries the tokenizer feature cache's keys (random features
+  [B, T, h, w, C] in `config.data.feature_cache_dtype`, codes [B, T, h*w]).
+  """
   rng = np.random.default_rng(seed)
   s, t, l = config.data.image_size, config.data.num_keyframes + 2, config.data.max_caption_len
   frames = rng.integers(0, 256, (batch_size, t, s, s, 3), dtype=np.uint8)
@@ -22,7 +26,7 @@ def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
   caption[:, 0] = 4
   caption[:, 12] = 5
   caption[:, 13:] = 0
-  return {
+  batch = {
       'before': frames[:, 0], 'after': frames[:, -1], 'keyframes': frames,
       'keyframe_index': np.tile(np.linspace(0, 8, t).astype(np.int32), (batch_size, 1)),
       'caption_in': caption, 'encoder_text': np.where(caption > 7, caption, 0).astype(np.int32),
@@ -30,6 +34,13 @@ def fake_batch(config, batch_size: int, seed: int = 0) -> dict:
       'example_index': np.arange(batch_size, dtype=np.int32),
       'valid': np.ones(batch_size, bool),
   }
+  if feature_cache:
+    (h, w), m = config.pretrain.model.grid, config.pretrain.model
+    batch['keyframe_features'] = rng.normal(size=(batch_size, t, h, w, m.feature_dim)).astype(
+        config.data.feature_cache_dtype)
+    batch['keyframe_codes'] = rng.integers(0, m.codebook_size, (batch_size, t, h * w),
+                                           dtype=np.int32)
+  return batch
 
 
 def random_tokenizer(config) -> dict:

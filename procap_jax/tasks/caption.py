@@ -32,11 +32,13 @@ from procap_jax import errors
 from procap_jax import evaluation
 from procap_jax import train
 from procap_jax.convert import init as convert_init
+from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import vqgan
 from procap_jax.tasks import caption_optimizer
+from procap_jax.tasks import encodings
 
 # Stage-1 heads that stay frozen in stage 2 (the original's `skip_params`, spec 5.1).
 # The axial frame-position table of the encoder ([T, 1, 1, D]); see `restore_pretrained_encoder`.
@@ -187,8 +189,10 @@ def label_smoothing_loss(logits: jax.Array, labels: jax.Array,
 def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
                config: ml_collections.ConfigDict, model: nn.Module,
                tokenizer: FrozenTokenizer) -> tuple[jax.Array, dict]:
-  """(loss, metrics) of a training batch; loss is the summed KL ('sum') or per word ('mean')."""
-  before, after = _features(tokenizer, tokenizer_params, batch['before'], batch['after'])
+  """(loss, metrics) of a training batch; loss is the summed KL ('sum') or per word ('mean').
+
+  The before/after features come from the feature cache when the batch carries it."""
+  before, after = encodings.pair_features(tokenizer, tokenizer_params, batch)
   tokens = jnp.asarray(batch['caption_in'], jnp.int32)
   labels = teacher_forcing_labels(tokens)
   labels = jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
@@ -209,10 +213,7 @@ def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
 def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Array,
               after: jax.Array) -> tuple[jax.Array, jax.Array]:
   """uint8 images [B, S, S, 3] -> frozen features [B, h, w, C] each (one tokenizer call)."""
-  b = before.shape[0]
-  images = jnp.concatenate([jnp.asarray(before), jnp.asarray(after)]).astype(jnp.float32) / 255.0
-  feats = jax.lax.stop_gradient(tokenizer.encode_features(tokenizer_params, images))
-  return feats[:b], feats[b:]  # [B, h, w, C] each
+  return encodings.pair_features(tokenizer, tokenizer_params, {'before': before, 'after': after})
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -220,8 +221,8 @@ def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Arr
 
 @functools.partial(jax.jit, static_argnames=('model', 'tokenizer', 'method', 'beam_size',
                                              'alpha', 'max_len'))
-def _generate(params, tokenizer_params, before, after, *, model, tokenizer, **settings):
-  feats_b, feats_a = _features(tokenizer, tokenizer_params, before, after)
+def _generate(params, tokenizer_params, pair, *, model, tokenizer, **settings):
+  feats_b, feats_a = encodings.pair_features(tokenizer, tokenizer_params, pair)
   return captioner_lib.generate(model, params, feats_b, feats_a, **settings)  # [B, L]
 
 
@@ -236,11 +237,17 @@ def _imagine(params, tokenizer_params, before, after, *, model, tokenizer) -> ja
 
 def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, model: nn.Module,
              before: np.ndarray, after: np.ndarray,
-             tokenizer: FrozenTokenizer | None = None) -> np.ndarray:
-  """Caption token ids [B, L] (greedy or beam per config.caption.decoding) for uint8 pairs."""
+             tokenizer: FrozenTokenizer | None = None,
+             keyframe_features: np.ndarray | None = None) -> np.ndarray:
+  """Caption token ids [B, L] (greedy or beam per config.caption.decoding) for uint8 pairs.
+
+  `keyframe_features` [B, T, h, w, C] (the feature cache's batch key) replaces encoding the
+  images: keyframes 0 and T-1 are the before and after images."""
   d = config.caption.decoding
+  pair = ({'before': before, 'after': after} if keyframe_features is None
+          else {encodings.CACHED: keyframe_features})
   return np.asarray(_generate(
-      nn.meta.unbox(params), constants['tokenizer'], before, after, model=model,
+      nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
       tokenizer=tokenizer or vqgan_tokenizer(config), method=d.method,
       beam_size=int(d.beam_size), alpha=float(d.alpha), max_len=int(config.caption.model.max_len)))
 
@@ -305,13 +312,15 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
     vocab = vocab if vocab is not None else pipeline.load_vocab(config, workdir)
     t = config.caption.train
     if batches is None:
-      batches = pipeline.make_eval_iterator(config, split, workdir, t.batch_size,
-                                            num_batches=0 if split == 'test' else t.eval_batches)
+      batches = pipeline.make_eval_iterator(
+          config, split, workdir, t.batch_size,
+          num_batches=0 if split == 'test' else t.eval_batches,
+          cache=feature_cache.load(config, workdir, constants['tokenizer']))
     tokenizer = tokenizer_factory(config)
     predictions = {}
     for batch in batches:
       tokens = generate(state.params, constants, config, model, batch['before'], batch['after'],
-                        tokenizer)
+                        tokenizer, keyframe_features=batch.get(encodings.CACHED))
       for row, index, valid in zip(tokens, batch['example_index'], batch['valid']):
         if valid:
           predictions[info[int(index)]['pair_id']] = vocab.decode(row)
@@ -329,7 +338,7 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
 
   return train.Task(name='caption', build_model=build_model, init_params=init_params,
                     loss_fn=loss_fn, make_optimizer=caption_optimizer.make_optimizer,
-                    evaluate=evaluate,
+                    evaluate=evaluate, feature_cache=tokenizer_factory,
                     load_constants=load_constants, restore_init=restore_init)
 
 

@@ -37,7 +37,9 @@ from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
 from procap_jax.models import procedure_encoder
 from procap_jax.models import vqgan
+from procap_jax.data import feature_cache
 from procap_jax.tasks import corruptions
+from procap_jax.tasks import encodings
 from procap_jax.tasks import masking
 
 BINARY_INPUTS = ('masked', 'visible')  # what the match and consistency heads judge
@@ -106,11 +108,7 @@ def swap_batch(x: jax.Array) -> jax.Array:
   return jnp.roll(x, b // 2 if b % 2 == 0 else -1, axis=0)
 
 
-def _encode_clips(fn: Callable, params: Any, frames: jax.Array) -> jax.Array:
-  """Applies a per-image tokenizer function to clips [B, T, S, S, 3] -> [B, T, ...]."""
-  b, t = frames.shape[:2]
-  out = fn(params, frames.reshape((b * t,) + frames.shape[2:]))  # [B*T, ...]
-  return jax.lax.stop_gradient(out.reshape((b, t) + out.shape[1:]))  # [B, T, ...]
+_encode_clips = encodings.encode_clips  # the diagnostics' name for it
 
 
 def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
@@ -125,7 +123,7 @@ def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.A
     params: encoder parameters.
     tokenizer_params: frozen tokenizer parameters.
     batch: the batch contract; uses keyframes [B, T, S, S, 3] uint8, encoder_text [B, L],
-      valid [B].
+      valid [B], and the feature cache's keyframe_features and keyframe_codes when present.
     rng: PRNG key (masks and corruptions).
     config: the run config (config.pretrain).
     model: the ProcedureEncoder.
@@ -146,7 +144,8 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
   """The stage-1 forwards of a batch (arguments as `batch_statistics`, which sums these).
 
   Draws the masks and corruptions from `rng`, encodes the clean and corrupted clips with the
-  frozen tokenizer and runs `forward_logits` on them.
+  frozen tokenizer (the clean ones read from the feature cache when the batch carries it) and
+  runs `forward_logits` on them.
 
   Returns:
     dict with frame_logits [B, T*N, K] of the reconstruction forward, codes int32 [B, T*N]
@@ -154,18 +153,19 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
     logits rel_pos, rel_neg (own and swapped caption), vid_pos, vid_neg (clean and corrupted
     clip), each [B], and corruption int32 [B] (index into `corruptions.KINDS`).
   """
-  frames = jnp.asarray(batch['keyframes'], jnp.float32) / 255.0  # [B, T, S, S, 3]
+  frames = encodings.images01(batch['keyframes'])  # [B, T, S, S, 3]
   text = jnp.asarray(batch['encoder_text'], jnp.int32)  # [B, L]
   b = frames.shape[0]
   k_mask, k_corrupt = jax.random.split(rng)
 
-  features = _encode_clips(tokenizer.encode_features, tokenizer_params, frames)  # [B,T,h,w,C]
-  codes = _encode_clips(tokenizer.encode_tokens, tokenizer_params, frames)  # [B, T, N]
-  codes = codes.reshape(b, -1).astype(jnp.int32)  # [B, T*N]
+  # [B, T, h, w, C], [B, T, N]
+  features, codes = encodings.clip_encodings(tokenizer, tokenizer_params, batch, frames)
+  codes = codes.reshape(b, -1)  # [B, T*N]
   masks = masking.sample_masks_from_config(k_mask, b, config)
   # The corrupted clips' features: 'replace' and 'shuffle' only move frames, so their features
   # are gathered; 'colour' and 'affine' change one frame, the only one encoded (1 frame per
-  # sample instead of T; the same values as encoding the whole corrupted clip).
+  # sample instead of T; the same values as encoding the whole corrupted clip). The cache
+  # cannot hold it: the change is drawn every step.
   features_neg, kind = corruptions.corrupt_encoded_from_config(
       k_corrupt, frames, features,
       lambda images: jax.lax.stop_gradient(tokenizer.encode_features(tokenizer_params, images)),
@@ -347,7 +347,7 @@ def make_optimizer(config: ml_collections.ConfigDict,
 
 
 _statistics_jit = jax.jit(batch_statistics, static_argnames=('config', 'model', 'tokenizer'))
-_EVAL_KEYS = ('keyframes', 'encoder_text', 'valid')
+_EVAL_KEYS = ('keyframes', 'encoder_text', 'valid') + feature_cache.KEYS  # the last if present
 
 
 def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.ConfigDict,
@@ -357,7 +357,8 @@ def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.
   totals = {k: 0.0 for k in SUM_KEYS}
   for i, batch in enumerate(batches):
     rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), i)
-    sums = _statistics_jit(params, tokenizer_params, {k: batch[k] for k in _EVAL_KEYS}, rng,
+    sums = _statistics_jit(params, tokenizer_params,
+                           {k: batch[k] for k in _EVAL_KEYS if k in batch}, rng,
                            config=frozen, model=model, tokenizer=tokenizer)
     for k, v in jax.device_get(sums).items():
       totals[k] += float(v)
@@ -366,11 +367,13 @@ def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.
 
 
 def eval_batches(config: ml_collections.ConfigDict, split: str, workdir: str,
-                 num_batches: int) -> Iterable[dict]:
+                 num_batches: int, cache: feature_cache.FeatureCache | None = None
+                 ) -> Iterable[dict]:
   """Stage-1 evaluation batches of `split` (`num_batches` 0 = all) in the fixed shuffled order,
-  so a no-change clip's swapped caption is not always another no-change caption."""
+  so a no-change clip's swapped caption is not always another no-change caption; with `cache`
+  they carry its encodings."""
   return pipeline.make_eval_iterator(config, split, workdir, int(config.pretrain.train.batch_size),
-                                     num_batches=num_batches, shuffled=True)
+                                     num_batches=num_batches, shuffled=True, cache=cache)
 
 
 def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer] = vqgan_tokenizer
@@ -385,13 +388,14 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
 
   def evaluate(state, constants, config, model, split, workdir, *, batches=None):
     if batches is None:
-      batches = eval_batches(config, split, workdir, config.pretrain.train.eval_batches)
+      cache = feature_cache.load(config, workdir, constants['tokenizer'])
+      batches = eval_batches(config, split, workdir, config.pretrain.train.eval_batches, cache)
     return evaluate_batches(nn.meta.unbox(state.params), constants['tokenizer'], config, model,
                             tokenizer_factory(config), batches)
 
   return train.Task(name='pretrain', build_model=build_model, init_params=init_params,
                     loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
-                    load_constants=load_constants,
+                    load_constants=load_constants, feature_cache=tokenizer_factory,
                     restore_init=lambda params, config, workdir: convert_init.restore(
                         'pretrain', params, config))
 

@@ -1,0 +1,59 @@
+"""The frozen tokenizer's encodings of a batch, for stages 1 and 2 (pure jax).
+
+Dimension legend: B batch, T frames, S image side, h x w token grid, N = h*w, C channels.
+
+One code path for both sources: a batch that carries the tokenizer feature cache's keys
+(`keyframe_features`, `keyframe_codes`: `procap_jax.data.feature_cache`) is read from them;
+otherwise its images are encoded here, every step. Both give the same values (the cache stores
+what `encode_clips` computes, frame by frame; float16 storage rounds the features).
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+CACHED = 'keyframe_features'  # present in a batch iff it carries the cache's encodings
+
+
+def images01(images: Any) -> jax.Array:
+  """uint8 images -> float32 in [0, 1] (what the frozen tokenizer is given)."""
+  return jnp.asarray(images, jnp.float32) / 255.0
+
+
+def encode_clips(fn: Callable, params: Any, frames: jax.Array) -> jax.Array:
+  """Applies a per-image tokenizer function to clips [B, T, S, S, 3] -> [B, T, ...]."""
+  b, t = frames.shape[:2]
+  out = fn(params, frames.reshape((b * t,) + frames.shape[2:]))  # [B*T, ...]
+  return jax.lax.stop_gradient(out.reshape((b, t) + out.shape[1:]))  # [B, T, ...]
+
+
+def clip_encodings(tokenizer: Any, params: Any, batch: dict,
+                   frames: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(features float32 [B, T, h, w, C], codes int32 [B, T, N]) of the batch's keyframes.
+
+  Args:
+    tokenizer: the frozen tokenizer (`encode_features`, `encode_tokens`).
+    params: its parameters.
+    batch: the batch contract; the cache's keys when present, else `keyframes`.
+    frames: `images01(batch['keyframes'])` when the caller has it already.
+  """
+  if CACHED in batch:
+    features = jnp.asarray(batch[CACHED], jnp.float32)
+    return jax.lax.stop_gradient(features), jnp.asarray(batch['keyframe_codes'], jnp.int32)
+  frames = images01(batch['keyframes']) if frames is None else frames  # [B, T, S, S, 3]
+  features = encode_clips(tokenizer.encode_features, params, frames)  # [B, T, h, w, C]
+  codes = encode_clips(tokenizer.encode_tokens, params, frames)  # [B, T, N]
+  return features, codes.astype(jnp.int32)
+
+
+def pair_features(tokenizer: Any, params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """Frozen features [B, h, w, C] of the before and after images: keyframes 0 and T-1 of the
+  cache when the batch carries it, else one tokenizer call on `before` and `after`."""
+  if CACHED in batch:
+    features = jax.lax.stop_gradient(jnp.asarray(batch[CACHED], jnp.float32))  # [B, T, h, w, C]
+    return features[:, 0], features[:, -1]
+  b = batch['before'].shape[0]
+  images = images01(jnp.concatenate([jnp.asarray(batch['before']), jnp.asarray(batch['after'])]))
+  feats = jax.lax.stop_gradient(tokenizer.encode_features(params, images))  # [2B, h, w, C]
+  return feats[:b], feats[b:]  # [B, h, w, C] each
