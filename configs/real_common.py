@@ -42,6 +42,11 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   d.builder_config = 'paper'
   d.image_size = 224
   d.encoder_text = 'clip_bpe'                    # the original's stage-1 text (spec 1.6)
+  # Off at paper size: CLEVR-Change's cache would take 134 GiB in float32 (67 GiB in float16,
+  # which rounds the features) and about 85 h to build on a 2-core CPU; it saves stage 1 two of
+  # its three tokenizer passes a step, so switch it on where the disk allows
+  # (docs/performance.md, "Tokenizer feature cache").
+  d.feature_cache = False
   t = config.tokenizer.model
   t.ch, t.ch_mult, t.num_res_blocks, t.attn_resolutions = 128, (1, 1, 2, 2, 4), 2, (16,)
   t.resolution, t.z_channels, t.embed_dim, t.n_embed = 224, 256, 256, 1024
