@@ -5,6 +5,8 @@ r"""Train-step throughput, MFU and memory of a stage, on batches of the batch co
   python -m bench.train_step --config configs/synthetic.py --dtype both        # f32 and bf16
   python -m bench.train_step --config configs/clevr_change.py:paper --stage pretrain \
       --batch 8 --steps 1 --compile_only                                      # memory analysis
+  python -m bench.train_step --config configs/synthetic.py --stage pretrain \
+      --feature_cache alternate --steps 10     # without and with the feature cache, step by step
 
 Prints one JSON line per (stage, dtype), each measured in a fresh process (so `peak_rss_gib` is
 that measurement's own high-water mark; `--in_process` measures in this process instead):
@@ -17,11 +19,20 @@ Tokens per sample are the sequence positions the stage's transformer sees (frame
 slots + special tokens; pixels of one frame for the tokenizer). Random uint8 images and captions
 stand in for data and a randomly initialised tokenizer for the frozen one: throughput does not
 depend on the values. `--set key=value` overrides a config value (Python literal).
+
+`--feature_cache on` times stages 1 and 2 as they run with the tokenizer feature cache
+(`data.feature_cache`): the batch carries random cached features and codes, so the step encodes
+only the corrupted frames (stage 1) or nothing (stage 2); `off` encodes the images as without
+the cache; `both` measures off, then on (fresh processes); `alternate` compiles both steps in one
+process and times them in turns, off, on, off, on, ..., `--steps` each, so a changing machine
+load hits both alike: one line per variant, then one with the median of the per-pair ratios.
+`--rounds R` repeats every measurement R times, in order.
 """
 
 import argparse
 import ast
 import importlib
+import os
 import time
 
 import jax
@@ -62,15 +73,16 @@ def fill_vocab_sizes(config) -> None:
   config.caption.init_from_pretrain = False
 
 
-def prepare(config, stage: str, batch_size: int, mesh=None):
-  """(step_fn, state, batch, constants, rng) ready to time, on `mesh` (default from config)."""
+def prepare(config, stage: str, batch_size: int, mesh=None, cached: bool = False):
+  """(step_fn, state, batch, constants, rng) ready to time, on `mesh` (default from config);
+  `cached`: the batch carries the tokenizer feature cache's keys (stages 1 and 2)."""
   from procap_jax import stages
   fill_vocab_sizes(config)
   task = stages.TASKS[stage]
   mesh = mesh if mesh is not None else sharding.mesh_from_config(config)
   model = task.build_model(config)
   tx = task.make_optimizer(config, 1000)
-  batch = stand_ins.fake_batch(config, batch_size)
+  batch = stand_ins.fake_batch(config, batch_size, feature_cache=cached and stage != 'tokenizer')
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
   tokenizer = None if stage == 'tokenizer' else stand_ins.random_tokenizer(config)
   constants = None if tokenizer is None else {'tokenizer': tokenizer}
@@ -94,12 +106,13 @@ def tokens_per_sample(config, stage: str) -> int:
 
 
 def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
-        overrides: list[str] | tuple[str, ...] = (), compile_only: bool = False) -> dict:
+        overrides: list[str] | tuple[str, ...] = (), compile_only: bool = False,
+        cached: bool = False) -> dict:
   """Measures one stage's train step; returns the JSON record (see the module docstring)."""
   config = load_config(config_spec, overrides)
   config.compute_dtype = dtype
   batch_size = batch_size or int(config[stage].train.batch_size)
-  step, state, batch, constants, rng = prepare(config, stage, batch_size)
+  step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
   t0 = time.perf_counter()
   compiled = step.lower(state, batch, constants, rng).compile()
   compile_s = time.perf_counter() - t0
@@ -107,6 +120,7 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
   record = {
       'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
       'devices': jax.device_count(), 'batch': batch_size, 'overrides': list(overrides) or None,
+      'feature_cache': cached and stage != 'tokenizer',
       'compile_s': compile_s, 'step_gflop': flops / 1e9 if flops else None,
       **common.memory_gib(compiled),
   }
@@ -129,7 +143,7 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
   peak = max(peak, common.matmul_peak_flops(dtype))
   rss = common.peak_rss_gib()  # before the FLOP twin below allocates its own state
   if _has_loops(config, stage):
-    flops = _unlooped_flops(config_spec, stage, batch_size, dtype, overrides)
+    flops = _unlooped_flops(config_spec, stage, batch_size, dtype, overrides, cached)
     record['step_gflop'] = flops / 1e9 if flops else None
     record['flops_from'] = 'the same step without scan_blocks / attention_chunk'
   sec, best = float(np.median(times)), float(np.min(times))
@@ -146,6 +160,56 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
   return record
 
 
+def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
+                    overrides: list[str] | tuple[str, ...] = ()) -> list[dict]:
+  """Times the stage's step without and with the feature cache in turns, in this process.
+
+  Returns:
+    One record per variant (step_s: median of its `steps` steps) and a `ratio` record: the
+    median over the pairs of (cached step / uncached step) and the load average before/after.
+  """
+  load_before = os.getloadavg()
+  runs = {}
+  for cached in (False, True):
+    config = load_config(config_spec, overrides)
+    config.compute_dtype = dtype
+    batch_size = batch_size or int(config[stage].train.batch_size)
+    step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch, constants, rng).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batch, constants, rng)  # warm-up
+    jax.block_until_ready(metrics)
+    runs[cached] = dict(compiled=compiled, state=state, batch=batch, constants=constants,
+                        rng=rng, times=[], compile_s=compile_s,
+                        flops=common.compiled_flops(compiled))
+  for _ in range(steps):
+    for cached in (False, True):
+      r = runs[cached]
+      t0 = time.perf_counter()
+      r['state'], metrics = r['compiled'](r['state'], r['batch'], r['constants'], r['rng'])
+      jax.block_until_ready(metrics)
+      r['times'].append(time.perf_counter() - t0)
+  records = []
+  for cached, r in runs.items():
+    sec = float(np.median(r['times']))
+    records.append({
+        'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
+        'batch': batch_size, 'overrides': list(overrides) or None, 'feature_cache': cached,
+        'alternating': True, 'steps_timed': len(r['times']), 'step_s': sec,
+        'step_s_best': float(np.min(r['times'])), 'compile_s': r['compile_s'],
+        'samples_per_s': batch_size / sec,
+        'step_gflop': r['flops'] / 1e9 if r['flops'] else None})
+  ratios = [on / off for off, on in zip(runs[False]['times'], runs[True]['times'])]
+  records.append({'bench': 'train_step', 'config': config_spec, 'stage': stage,
+                  'dtype': dtype, 'batch': batch_size, 'cached_over_uncached': float(
+                      np.median(ratios)), 'pairs': len(ratios),
+                  'load_before': [round(x, 2) for x in load_before],
+                  'load_after': [round(x, 2) for x in os.getloadavg()],
+                  'peak_rss_gib': common.peak_rss_gib()})
+  return records
+
+
 def _has_loops(config, stage: str) -> bool:
   """Whether the step runs the encoder blocks or attention chunks in XLA loops, whose bodies
   XLA's cost analysis counts once instead of once per iteration."""
@@ -154,12 +218,12 @@ def _has_loops(config, stage: str) -> bool:
 
 
 def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
-                    overrides) -> float | None:
+                    overrides, cached: bool = False) -> float | None:
   """FLOPs of the same step compiled without the loops (same math, every iteration counted)."""
   config = load_config(config_spec, overrides)
   config.compute_dtype = dtype
   config.pretrain.model.scan_blocks, config.pretrain.model.attention_chunk = False, 0
-  step, state, batch, constants, rng = prepare(config, stage, batch_size)
+  step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
   return common.compiled_flops(step.lower(state, batch, constants, rng).compile())
 
 
@@ -176,21 +240,41 @@ def main():
                       help='only compile: FLOPs and the memory analysis, no timing')
   parser.add_argument('--in_process', action='store_true',
                       help='measure in this process (peak RSS then covers every measurement)')
+  parser.add_argument('--feature_cache', default='off',
+                      choices=('off', 'on', 'both', 'alternate'),
+                      help='time stages 1 and 2 reading the tokenizer feature cache (on), '
+                      'encoding the images (off), both in turn, or alternate step by step')
+  parser.add_argument('--rounds', type=int, default=1,
+                      help='repeat every measurement this many times, in order')
   args = parser.parse_args()
   stages = STAGES if args.stage == 'all' else (args.stage,)
   dtypes = ('float32', 'bfloat16') if args.dtype == 'both' else (args.dtype,)
-  for stage in stages:
-    for dtype in dtypes:
-      if args.in_process or (len(stages) == 1 and len(dtypes) == 1):
-        common.emit(run(args.config, stage, args.steps, args.batch, dtype, args.set,
-                        args.compile_only))
-        continue
-      child = ['--config', args.config, '--stage', stage, '--steps', str(args.steps),
-               '--dtype', dtype, *(['--batch', str(args.batch)] if args.batch else []),
-               *[f'--set={s}' for s in args.set],
-               *(['--compile_only'] if args.compile_only else [])]
-      for record in common.run_child('bench.train_step', child):
-        common.emit(record)
+  if args.feature_cache == 'alternate':
+    for round_ in range(args.rounds):
+      for stage in stages:
+        for dtype in dtypes:
+          for record in run_alternating(args.config, stage, args.steps, args.batch, dtype,
+                                        args.set):
+            common.emit(dict(record, round=round_))
+    return
+  caches = {'off': (False,), 'on': (True,), 'both': (False, True)}[args.feature_cache]
+  single = len(stages) == 1 and len(dtypes) == 1 and len(caches) == 1 and args.rounds == 1
+  for round_ in range(args.rounds):
+    for stage in stages:
+      for dtype in dtypes:
+        for cached in caches:
+          if args.in_process or single:
+            record = run(args.config, stage, args.steps, args.batch, dtype, args.set,
+                         args.compile_only, cached)
+            common.emit(dict(record, round=round_))
+            continue
+          child = ['--config', args.config, '--stage', stage, '--steps', str(args.steps),
+                   '--dtype', dtype, *(['--batch', str(args.batch)] if args.batch else []),
+                   *[f'--set={s}' for s in args.set],
+                   *(['--compile_only'] if args.compile_only else []),
+                   '--feature_cache', 'on' if cached else 'off']
+          for record in common.run_child('bench.train_step', child):
+            common.emit(dict(record, round=round_))
 
 
 if __name__ == '__main__':
