@@ -5,18 +5,16 @@ scenes (../shared/fixtures, via tests/clevr_manual.py), through the dataset buil
 stages, the test evaluation, results.json and report.html. The overrides shrink only sizes:
 64 px images (builder config `cpu64`, flow interpolation like `paper`), a narrow VQGAN with the
 paper's f16 layout, a 2-block encoder and a narrow decoder, 1 step per stage at batch 2 (about
-250 CPU-seconds, most of it compiling). Every
-switch of the preset (CLIP BPE encoder text with its 49,408 ids, scanned blocks, chunked
-attention, the original's embeddings, frame tokens and binary-head inputs, the constant stage-1
-lr) stays as `paper` sets it. The full-size run and its figures: docs/performance.md, "The paper
-presets on real images".
+290 CPU-seconds). Every switch of the preset (CLIP BPE encoder text with its 49,408 ids,
+scanned blocks, chunked attention, the original's embeddings, frame tokens and binary-head
+inputs, the constant stage-1 lr) stays as `paper` sets it. The full-size run and its figures:
+docs/performance.md, "The paper presets on real images".
 """
 
 import json
 import os
 import subprocess
 import sys
-
 
 import clevr_manual
 import reliability_helpers as helpers
