@@ -105,17 +105,25 @@ def tokens_per_sample(config, stage: str) -> int:
   return frames + config.data.max_caption_len + 3
 
 
-def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
-        overrides: list[str] | tuple[str, ...] = (), compile_only: bool = False,
-        cached: bool = False) -> dict:
-  """Measures one stage's train step; returns the JSON record (see the module docstring)."""
+def _compile(config_spec: str, stage: str, batch_size: int | None, dtype: str,
+             overrides: list[str] | tuple[str, ...], cached: bool) -> tuple:
+  """(config, batch size, compiled step, state, batch, constants, rng, compile seconds)."""
   config = load_config(config_spec, overrides)
   config.compute_dtype = dtype
   batch_size = batch_size or int(config[stage].train.batch_size)
   step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
   t0 = time.perf_counter()
   compiled = step.lower(state, batch, constants, rng).compile()
-  compile_s = time.perf_counter() - t0
+  return (config, batch_size, compiled, state, batch, constants, rng,
+          time.perf_counter() - t0)
+
+
+def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
+        overrides: list[str] | tuple[str, ...] = (), compile_only: bool = False,
+        cached: bool = False) -> dict:
+  """Measures one stage's train step; returns the JSON record (see the module docstring)."""
+  config, batch_size, compiled, state, batch, constants, rng, compile_s = _compile(
+      config_spec, stage, batch_size, dtype, overrides, cached)
   flops = common.compiled_flops(compiled)
   record = {
       'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
@@ -171,13 +179,8 @@ def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | 
   load_before = os.getloadavg()
   runs = {}
   for cached in (False, True):
-    config = load_config(config_spec, overrides)
-    config.compute_dtype = dtype
-    batch_size = batch_size or int(config[stage].train.batch_size)
-    step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batch, constants, rng).compile()
-    compile_s = time.perf_counter() - t0
+    _, batch_size, compiled, state, batch, constants, rng, compile_s = _compile(
+        config_spec, stage, batch_size, dtype, overrides, cached)
     state, metrics = compiled(state, batch, constants, rng)  # warm-up
     jax.block_until_ready(metrics)
     runs[cached] = dict(compiled=compiled, state=state, batch=batch, constants=constants,
