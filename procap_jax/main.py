@@ -48,6 +48,11 @@ def _maybe_init_distributed() -> None:
         coordinator_address=os.environ['JAX_COORDINATOR_ADDRESS'],
         num_processes=int(os.environ['JAX_NUM_PROCESSES']),
         process_id=int(os.environ['JAX_PROCESS_ID']))
+    # The first collective opens the processes' connections, and a process that reaches it
+    # while another is still busy (process 0 building the dataset or the feature cache) times
+    # out connecting. Open them now, while every process is only starting.
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices('procap_jax.main.start')
 
 
 @errors.exit_on_user_error

@@ -72,6 +72,8 @@ _DIRECT_WRITES = {  # the only writes that are not atomic, and why that is safe
                                                'kill is dropped when the run resumes',
     ('procap_jax/java_scorers.py', "open(path, 'wb')"): "the Java tokenizer's input, in a "
                                                         'private temporary directory',
+    ('procap_jax/data/feature_cache.py', "open(path, 'a'"): 'the build lock, opened for flock '
+                                                            'only: nothing is written to it',
 }
 
 

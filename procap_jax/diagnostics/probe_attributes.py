@@ -156,7 +156,9 @@ def load_splits(config, workdir: str, limit: int = 0, cache: str = '',
   else:
     data = {s: load_split(config, workdir, s, limit) for s in SPLITS}
   if cache:
-    np.savez(cache, **{f'{s}/{k}': v for s, d in data.items() for k, v in d.items()})
+    with errors.atomic_path(cache) as tmp:
+      with open(tmp, 'wb') as buf:
+        np.savez(buf, **{f'{s}/{k}': v for s, d in data.items() for k, v in d.items()})
   return data
 
 
