@@ -46,6 +46,7 @@ import tqdm
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.models import vqgan
+from procap_jax.tasks import encodings
 
 FORMAT = 1  # bump when the stored layout or the encodings change
 SPLITS = ('train', 'val', 'test')
@@ -188,7 +189,7 @@ def open_cache(directory: str, expected: dict | None = None) -> FeatureCache:
 @functools.partial(jax.jit, static_argnames=('tokenizer',))
 def _encode(params: Any, images: jax.Array, tokenizer: vqgan.Frozen):
   """uint8 [M, S, S, 3] -> (features [M, h, w, C], codes int32 [M, N]), as the stages encode."""
-  x = images.astype(jnp.float32) / 255.0
+  x = encodings.images01(images)
   return (tokenizer.encode_features(params, x),
           tokenizer.encode_tokens(params, x).astype(jnp.int32))
 

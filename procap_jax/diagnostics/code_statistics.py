@@ -28,6 +28,7 @@ import numpy as np
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
+from procap_jax.tasks import encodings
 from procap_jax.tasks import pretrain
 from procap_jax.tasks import tokenizer
 
@@ -37,8 +38,8 @@ def clip_encoder(config, workdir: str):
   [B, T, h*w]."""
   tokenizer = pretrain.vqgan_tokenizer(config)
   params = pretrain.load_constants(config, workdir)['tokenizer']
-  encode = jax.jit(lambda p, f: pretrain._encode_clips(  # pylint: disable=protected-access
-      tokenizer.encode_tokens, p, f.astype(jnp.float32) / 255.0))
+  encode = jax.jit(lambda p, f: encodings.encode_clips(tokenizer.encode_tokens, p,
+                                                      encodings.images01(f)))
   return lambda keyframes: np.asarray(encode(params, jnp.asarray(keyframes)))
 
 

@@ -56,6 +56,7 @@ from procap_jax.diagnostics import probe_change
 from procap_jax.diagnostics import probe_training
 from procap_jax.diagnostics import records
 from procap_jax.tasks import corruptions
+from procap_jax.tasks import encodings
 from procap_jax.tasks import pretrain
 
 
@@ -69,10 +70,9 @@ def encode_clips(config, workdir: str, clips: int, seed: int = 0):
 
   @jax.jit
   def encode(frames, rng):
-    x = frames.astype(jnp.float32) / 255.0  # [B, T, S, S, 3]
+    x = encodings.images01(frames)  # [B, T, S, S, 3]
     corrupted, _ = corruptions.corrupt_from_config(rng, x, config)
-    # pylint: disable-next=protected-access
-    enc = lambda v: pretrain._encode_clips(tokenizer.encode_features, params, v)
+    enc = lambda v: encodings.encode_clips(tokenizer.encode_features, params, v)
     return enc(x), enc(corrupted)
 
   clean, bad, text, pixels, change = [], [], [], [], []

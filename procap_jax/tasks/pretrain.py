@@ -108,9 +108,6 @@ def swap_batch(x: jax.Array) -> jax.Array:
   return jnp.roll(x, b // 2 if b % 2 == 0 else -1, axis=0)
 
 
-_encode_clips = encodings.encode_clips  # the diagnostics' name for it
-
-
 def batch_statistics(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
                      config: ml_collections.ConfigDict, model: nn.Module,
                      tokenizer: Tokenizer) -> dict:
