@@ -250,3 +250,19 @@ def test_current_results_needs_matching_stages_settings_and_report(tmp_path):
   with open(path, 'w') as f:
     f.write('{"split": "te')                                        # unreadable
   assert stages.current_results(config, workdir) is None
+
+
+def test_probe_inputs_read_the_stage1_encoder_and_the_decoder_memory(finished_run):
+  from procap_jax.diagnostics import probe_attributes as pa
+  config, workdir, _ = finished_run
+  data = {'test': pa.load_split(config, workdir, 'test', limit=3)}
+  slots = config.data.num_keyframes + 2
+  gh, gw = config.pretrain.model.grid
+  stage1, patch = pa.probe_inputs(config, workdir, data, 'stage1')
+  memory, _ = pa.probe_inputs(config, workdir, data, 'memory')
+  assert patch == 1
+  assert stage1['test'].shape == (3, gh, gw, slots * config.pretrain.model.width)
+  assert memory['test'].shape == (3, gh, gw, slots * config.caption.model.hidden)
+  assert np.isfinite(stage1['test']).all() and np.isfinite(memory['test']).all()
+  # Different pairs give different outputs: the inputs reach the encoder.
+  assert not np.allclose(stage1['test'][0], stage1['test'][1])

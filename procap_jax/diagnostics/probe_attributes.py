@@ -4,6 +4,7 @@ r"""Is the change in the features? Attribute probes on frozen tokenizer features
   python -m procap_jax.diagnostics.probe_attributes --workdir W --inputs features --steps 2000
   python -m procap_jax.diagnostics.probe_attributes --workdir W --cache C.npz  # reuse the images
   python -m procap_jax.diagnostics.probe_attributes --workdir W --inputs pixels --source render
+  python -m procap_jax.diagnostics.probe_attributes --workdir W --inputs stage1,memory  # finished run
 
 Dimension legend: M pairs, S image side, h x w tokenizer grid, C channels, K classes.
 
@@ -28,7 +29,12 @@ Inputs (`--inputs`):
             learned (S / h) x (S / h) patch embedding onto the same h x w grid: an upper-ish
             reference that separates "the tokenizer's features lose it" from "a model does not
             learn it".
-Both get two coordinate channels, a learned patch embedding (1 x 1 for features), two 3 x 3
+  stage1    the run's stage-1 encoder (its pretrain checkpoint, as stage 2 starts from it) on
+            the pair as stage 2 presents it (before, k query slots, after; no text): its output
+            tokens [T, h, w, D] stacked on channels, [h, w, T D].
+  memory    the trained captioner's decoder memory (its best caption checkpoint; what the
+            decoder attends to), [T, h, w, H] stacked likewise: [h, w, T H].
+All get two coordinate channels, a learned patch embedding (1 x 1 for features), two 3 x 3
 convolutions (`--width` channels), the spatial max and mean, a hidden layer and one linear head
 per task; all tasks train together (the sum of their masked cross-entropies; Adam, batch
 `--batch`). Inputs are standardised per channel on train.
@@ -172,6 +178,42 @@ def tokenizer_features(config, workdir: str, images: np.ndarray, batch: int = 64
                          for i in range(0, len(images), batch)])
 
 
+def encoder_outputs(config, workdir: str, before: np.ndarray, after: np.ndarray, which: str,
+                    batch: int = 64) -> np.ndarray:
+  """uint8 before and after [M, S, S, 3] -> float32 [M, h, w, T * D]: the output tokens of the
+  run's stage-1 encoder (`which` 'stage1', before any stage-2 training) or the trained
+  captioner's decoder memory ('memory'), the T frame slots stacked on channels."""
+  from procap_jax import caption as caption_cli
+  from procap_jax.tasks import caption as caption_task
+  model = caption_task.build_model(config)
+  if which == 'memory':
+    params, tokenizer_params, _ = caption_cli.load_parameters(workdir, 'best', config, cache=False)
+    run = lambda p, b, a: model.apply({'params': p}, b, a, method='encode')
+  else:
+    tokenizer_params = caption_task.load_constants(config, workdir)['tokenizer']
+    gh, gw = config.pretrain.model.grid
+    zeros = jnp.zeros([1, gh, gw, config.pretrain.model.feature_dim], jnp.float32)
+    params = model.init(jax.random.key(0), zeros, zeros, jnp.zeros([1, 2], jnp.int32))['params']
+    params = nn.meta.unbox(caption_task.restore_pretrained_encoder(params, workdir))
+    run = lambda p, b, a: model.apply(
+        {'params': p}, b, a, method=lambda m, x, y: m._encoder_outputs(x, y)['frame_hidden'])
+  tokenizer = caption_task.vqgan_tokenizer(config)
+
+  @jax.jit
+  def outputs(p, tp, b, a):
+    n = b.shape[0]
+    feats = tokenizer.encode_features(tp, jnp.concatenate([b, a]).astype(jnp.float32) / 255.0)
+    out = run(p, feats[:n], feats[n:])  # [n, T*N, D]
+    _, gh, gw, _ = feats.shape
+    out = out.reshape(n, -1, gh, gw, out.shape[-1])  # [n, T, h, w, D]
+    return jnp.moveaxis(out, 1, 3).reshape(n, gh, gw, -1)  # [n, h, w, T*D]
+
+  return np.concatenate([np.asarray(outputs(params, tokenizer_params,
+                                            jnp.asarray(before[i:i + batch]),
+                                            jnp.asarray(after[i:i + batch])))
+                         for i in range(0, len(before), batch)])
+
+
 def pair_inputs(before: np.ndarray, after: np.ndarray) -> np.ndarray:
   """[M, H, W, C] before and after -> [M, H, W, 3C]: before, after, after - before."""
   before, after = np.asarray(before, np.float32), np.asarray(after, np.float32)
@@ -293,7 +335,11 @@ def probe_inputs(config, workdir: str, data: dict[str, dict], which: str, pixel_
     grid = int(config.pretrain.model.grid[0])
     return ({s: pair_inputs(d['before'] / 255.0, d['after'] / 255.0) for s, d in data.items()},
             pixel_patch or max(1, size // grid))
-  raise errors.UserError(f'unknown probe input {which!r}; choose features or pixels')
+  if which in ('stage1', 'memory'):
+    return {s: encoder_outputs(config, workdir, d['before'], d['after'], which)
+            for s, d in data.items()}, 1
+  raise errors.UserError(f'unknown probe input {which!r}; choose features, pixels, stage1 or '
+                         'memory')
 
 
 def main(argv: list[str] | None = None) -> None:
