@@ -52,8 +52,9 @@ def summarise(records: list[dict], names: list[str]) -> list[dict]:
     errors = [r['error'] for r in mine if 'error' in r]
     ratios = [r['step_s'] / base[r['round']]['step_s'] for r in mine
               if 'step_s' in r and r['round'] in base]
-    losses_match = all(abs(r['loss'] - base[r['round']]['loss']) <= 1e-3 * max(
-        1.0, abs(base[r['round']]['loss'])) for r in mine if 'loss' in r and r['round'] in base)
+    compared = [abs(r['loss'] - base[r['round']]['loss']) <= 1e-3 * max(
+        1.0, abs(base[r['round']]['loss'])) for r in mine if 'loss' in r and r['round'] in base]
+    losses_match = all(compared) if compared else None
     out.append({'bench': 'xla_flags', 'flags_name': name, 'rounds': len(ratios),
                 'step_over_baseline': float(np.median(ratios)) if ratios else None,
                 'per_round': [round(x, 3) for x in ratios], 'loss_matches': losses_match,
