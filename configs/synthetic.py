@@ -7,8 +7,8 @@ Command (the README's first command):
 Presets (`--config configs/synthetic.py:<preset>`):
   tiny     tests only: a few dozen scenes, 32 px, a few steps per stage (seconds).
   quick    end to end in about 5 minutes on a 2-core CPU.
-  default  (no preset) the `small` synthetic benchmark, 64 px; about 70 minutes on a 2-core CPU
-           (stage 1: 2,000 steps, about 47 minutes plus 3.5 minutes of validation).
+  default  (no preset) the `small` synthetic benchmark, 64 px; 1 to 2 hours on a 2-core CPU
+           (stage 1: 2,000 steps, 45 to 60 minutes plus validation; README "Results").
 
 Hardware: written for a 2-core CPU; runs unchanged on accelerators (mesh from `config.mesh`).
 Expected results: see README.md (figures measured with this file).
