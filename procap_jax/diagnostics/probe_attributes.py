@@ -60,6 +60,7 @@ from procap_jax import errors
 from procap_jax.data import datasets
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
+from procap_jax.tasks import encodings
 
 SPLITS = ('train', 'val', 'test')
 CHANGES = ('color', 'material', 'add', 'drop', 'move')
@@ -173,16 +174,16 @@ def tokenizer_features(config, workdir: str, images: np.ndarray, batch: int = 64
   from procap_jax.tasks import pretrain
   tokenizer = pretrain.vqgan_tokenizer(config)
   params = pretrain.load_constants(config, workdir)['tokenizer']
-  encode = jax.jit(lambda p, x: tokenizer.encode_features(p, x.astype(jnp.float32) / 255.0))
+  encode = jax.jit(lambda p, x: tokenizer.encode_features(p, encodings.images01(x)))
   return np.concatenate([np.asarray(encode(params, jnp.asarray(images[i:i + batch])))
                          for i in range(0, len(images), batch)])
 
 
-def encoder_outputs(config, workdir: str, before: np.ndarray, after: np.ndarray, which: str,
-                    batch: int = 64) -> np.ndarray:
-  """uint8 before and after [M, S, S, 3] -> float32 [M, h, w, T * D]: the output tokens of the
-  run's stage-1 encoder (`which` 'stage1', before any stage-2 training) or the trained
-  captioner's decoder memory ('memory'), the T frame slots stacked on channels."""
+def encoder_outputs(config, workdir: str, which: str, batch: int = 64):
+  """A function uint8 before and after [M, S, S, 3] -> float32 [M, h, w, T * D]: the output
+  tokens of the run's stage-1 encoder (`which` 'stage1', before any stage-2 training) or the
+  trained captioner's decoder memory ('memory'), the T frame slots stacked on channels. The
+  parameters are restored and the model compiled once, for every split."""
   from procap_jax import caption as caption_cli
   from procap_jax.tasks import caption as caption_task
   model = caption_task.build_model(config)
@@ -202,16 +203,16 @@ def encoder_outputs(config, workdir: str, before: np.ndarray, after: np.ndarray,
   @jax.jit
   def outputs(p, tp, b, a):
     n = b.shape[0]
-    feats = tokenizer.encode_features(tp, jnp.concatenate([b, a]).astype(jnp.float32) / 255.0)
+    feats = tokenizer.encode_features(tp, encodings.images01(jnp.concatenate([b, a])))
     out = run(p, feats[:n], feats[n:])  # [n, T*N, D]
     _, gh, gw, _ = feats.shape
     out = out.reshape(n, -1, gh, gw, out.shape[-1])  # [n, T, h, w, D]
     return jnp.moveaxis(out, 1, 3).reshape(n, gh, gw, -1)  # [n, h, w, T*D]
 
-  return np.concatenate([np.asarray(outputs(params, tokenizer_params,
-                                            jnp.asarray(before[i:i + batch]),
-                                            jnp.asarray(after[i:i + batch])))
-                         for i in range(0, len(before), batch)])
+  return lambda before, after: np.concatenate([
+      np.asarray(outputs(params, tokenizer_params, jnp.asarray(before[i:i + batch]),
+                         jnp.asarray(after[i:i + batch])))
+      for i in range(0, len(before), batch)])
 
 
 def pair_inputs(before: np.ndarray, after: np.ndarray) -> np.ndarray:
@@ -336,8 +337,8 @@ def probe_inputs(config, workdir: str, data: dict[str, dict], which: str, pixel_
     return ({s: pair_inputs(d['before'] / 255.0, d['after'] / 255.0) for s, d in data.items()},
             pixel_patch or max(1, size // grid))
   if which in ('stage1', 'memory'):
-    return {s: encoder_outputs(config, workdir, d['before'], d['after'], which)
-            for s, d in data.items()}, 1
+    outputs = encoder_outputs(config, workdir, which)
+    return {s: outputs(d['before'], d['after']) for s, d in data.items()}, 1
   raise errors.UserError(f'unknown probe input {which!r}; choose features, pixels, stage1 or '
                          'memory')
 
