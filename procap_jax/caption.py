@@ -61,9 +61,18 @@ from procap_jax.data import pairing
 ImageInput = Any  # a path (str / os.PathLike), encoded bytes, a PIL image or a uint8 array
 
 
+# Config keys added after runs were saved, with the value that reproduces what those runs did.
+ADDED_LATER = {('data', 'encoder_text'): 'words', ('data', 'bpe_merges_file'): ''}
+
+
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run)."""
-  return ml_collections.ConfigDict(_tuples(config_lib.read_saved_config(workdir)))
+  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run);
+  keys newer than the run get the value that reproduces it (ADDED_LATER)."""
+  saved = _tuples(config_lib.read_saved_config(workdir))
+  for (section, key), value in ADDED_LATER.items():
+    if isinstance(saved.get(section), dict):
+      saved[section].setdefault(key, value)
+  return ml_collections.ConfigDict(saved)
 
 
 def _tuples(x):

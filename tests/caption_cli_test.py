@@ -248,6 +248,22 @@ def test_vocab_path_without_tfds(tmp_path):
   assert caption.vocab_path(config, str(tmp_path / 'run')) == str(version / 'word2idx.json')
 
 
+def test_a_run_saved_before_newer_config_keys_loads_with_their_old_behaviour(tmp_path):
+  """config.json of a run made before data.encoder_text existed: the loaded config has the value
+  that reproduces the run, and the vocabulary sizes resolve without an AttributeError."""
+  from procap_jax import caption
+  from procap_jax.data import pipeline
+  run = _fake_run(tmp_path / 'run')
+  saved = json.loads((run / 'config.json').read_text())
+  for (section, key) in caption.ADDED_LATER:
+    del saved[section][key]
+  (run / 'config.json').write_text(json.dumps(saved))
+  config = caption.load_run_config(str(run))
+  assert config.data.encoder_text == 'words' and config.data.bpe_merges_file == ''
+  pipeline.resolve_vocab_sizes(config, str(run))  # sizes saved: no vocabulary file is read
+  assert config.pretrain.model.text_vocab_size == 37
+
+
 def test_parameters_cache_follows_the_checkpoints(tmp_path, monkeypatch):
   """The caption command's second start reads W/caption/inference_cache/params.npz instead of
   the orbax checkpoints, until a checkpoint (or config.json) changes."""
