@@ -9,6 +9,9 @@ Presets (`--config configs/synthetic.py:<preset>`):
   quick    end to end in about 5 minutes on a 2-core CPU.
   default  (no preset) the `small` synthetic benchmark, 64 px; 1 to 2 hours on a 2-core CPU
            (stage 1: 2,000 steps, 45 to 60 minutes plus validation; README "Results").
+  ablation the default's benchmark and tokenizer with a 64-wide, 2-block stage-1 encoder and
+           short stages 1 and 2 (a few minutes each), so that `python -m procap_jax.ablations`
+           fits 8 variants x 3 seeds in its time budget (docs/results.md, "The ablation table").
 
 Hardware: written for a 2-core CPU; runs unchanged on accelerators (mesh from `config.mesh`).
 Expected results: see README.md (figures measured with this file).
@@ -230,10 +233,15 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
   return c
 
 
+PRESETS = ('tiny', 'quick', 'default', 'ablation')
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   parts = [p for p in (arg or 'default').split(',') if p]
-  preset = parts[0] if parts and parts[0] in ('tiny', 'quick', 'default') else 'default'
-  variants = [p for p in parts if p not in ('tiny', 'quick', 'default')]
+  preset = parts[0] if parts and parts[0] in PRESETS else 'default'
+  variants = [p for p in parts if p not in PRESETS]
+  if preset == 'ablation':
+    return _ablation(variants)
 
   config = ml_collections.ConfigDict()
   config.preset = preset
@@ -254,6 +262,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.variant = ','.join(variants)
   for v in variants:
     _apply_variant(config, v)
+  return config
+
+
+def _ablation(variants: list[str]) -> ml_collections.ConfigDict:
+  """The default's dataset and tokenizer (one tokenizer and feature cache serve every ablation
+  run) with a smaller stage-1 encoder (width 64, 2 blocks: a third of the default's stage-1 step
+  time) and short stages 1 and 2, each validated twice on the whole val split."""
+  config = get_config(','.join(['default'] + variants))
+  config.preset = 'ablation'
+  config.pretrain.model.width = 64
+  config.pretrain.model.depth = 2
+  p = config.pretrain.train
+  p.steps, p.eval_every, p.checkpoint_every, p.log_every, p.lr = 200, 100, 100, 50, 5e-4
+  p.decay_steps = min(p.decay_steps, 70)  # 0 stays 0 ('faithful')
+  c = config.caption.train
+  c.steps, c.eval_every, c.checkpoint_every, c.log_every = 300, 150, 150, 50
+  c.lr, c.lr_encoder = 5e-4, 2e-4      # the quick preset's rates for its encoder size; not tuned
+  config.report.gallery_per_type = 1
   return config
 
 
@@ -280,8 +306,8 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
     config.pretrain.binary_inputs = 'masked'
     config.pretrain.train.decay_steps = 0
   else:
-    raise ValueError(f'unknown config variant {variant!r}: the presets are tiny, quick, default '
-                     '(first, e.g. configs/synthetic.py:quick) and the ablation variants, after '
+    raise ValueError(f'unknown config variant {variant!r}: the presets are tiny, quick, default, '
+                     'ablation (first, e.g. configs/synthetic.py:quick) and the ablation variants, after '
                      'a preset, static, no_queries, no_stage1, k1, k2, k4, oracle, faithful (e.g. '
                      ':default,static)')
 

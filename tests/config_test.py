@@ -12,9 +12,23 @@ from procap_jax import errors
 
 
 @pytest.mark.parametrize('arg', ['tiny', 'quick', 'default', 'default,static', 'quick,k4',
-                                 'tiny,oracle', 'default,no_stage1', 'default,no_queries'])
+                                 'tiny,oracle', 'default,no_stage1', 'default,no_queries',
+                                 'ablation', 'ablation,faithful', 'ablation,static'])
 def test_presets_validate(arg):
   config_lib.validate(synthetic.get_config(arg))
+
+
+def test_ablation_preset_is_the_default_benchmark_with_a_smaller_shorter_stage1():
+  default, ablation = synthetic.get_config('default'), synthetic.get_config('ablation')
+  assert ablation.preset == 'ablation'
+  assert ablation.data == default.data and ablation.tokenizer == default.tokenizer
+  assert ablation.pretrain.model.width < default.pretrain.model.width
+  assert ablation.pretrain.train.steps < default.pretrain.train.steps
+  assert ablation.caption.train.steps < default.caption.train.steps
+  # The variants apply on top, and 'faithful' keeps its constant learning rate.
+  assert synthetic.get_config('ablation,faithful').pretrain.train.decay_steps == 0
+  assert synthetic.get_config('ablation,k4').data.num_keyframes == 4
+  assert synthetic.get_config('ablation,static').variant == 'static'
 
 
 def test_unknown_variant_is_rejected():
