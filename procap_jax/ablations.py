@@ -1,25 +1,30 @@
 r"""The paper's ablations on the synthetic benchmark, several seeds, written to docs/results.md.
 
   python -m procap_jax.ablations --root workdir/ablations --seeds 0,1,2
-  python -m procap_jax.ablations --root R --data_dir W/data --tokenizer_from W/tokenizer \
-      --override pretrain.train.steps=100 --override caption.train.steps=300   # reuse a run
-  python -m procap_jax.ablations --root workdir/ablations --seeds 0 --preset default \
-      --override caption.train.steps=400 --override pretrain.train.steps=200   # shorter runs
+  python -m procap_jax.ablations --root R --data_dir W/data --tokenizer_from W/tokenizer  # reuse
+      # the dataset and tokenizer of a README command 1 run (W = its workdir)
+  python -m procap_jax.ablations --root R --preset default --seeds 0 \
+      --override caption.train.steps=400   # the default's model, shorter stage 2
 
 Variants (configs/synthetic.py): static (no stage 1, no queries), no_queries (stage 1, no
 queries), no_stage1 (queries without stage 1, k = 1), k1, k2 (the full model), k4, and oracle
 (k = 2 with keyframes from the renderer's true procedure instead of flow frames) and faithful
 (k = 2 with the paper presets' stage-1 switches instead of the synthetic default's departures).
 Each variant x seed is an ordinary run in `<root>/<variant>_s<seed>` (resumable; finished runs
-are skipped). The tokenizer does not depend on the variant, so it is trained once per seed and
-copied into the other runs of that seed. Test CIDEr (and the other metrics, by change type) is
-reported as mean and std over seeds, beside the paper's CLEVR-Change numbers for context.
+are skipped). The preset is `ablation` unless `--preset` says otherwise: the default's dataset
+and tokenizer with a smaller stage-1 encoder and short stages, so that the 24 runs fit about two
+hours on 2 cores. The tokenizer does not depend on the variant: one is trained (in
+`<root>/tokenizer`) and copied into every run, so every run reads one feature cache
+(`--tokenizer_per_seed` trains one per seed instead). Test metrics (overall and by change type)
+are reported as mean and std over seeds, beside the paper's CLEVR-Change numbers for context.
 """
 
 import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -44,6 +49,32 @@ LABELS = {
     'faithful': "full, k = 2, the paper presets' stage-1 switches",
 }
 METRICS = ('Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr')
+# Relative cost of a variant's run (stage 1 + stage 2 + evaluations; k4 encodes 6 frame slots,
+# oracle builds its own feature cache once), measured on the ablation preset; used only to
+# balance the variants between `--jobs` processes.
+COST = {'static': 1.0, 'no_stage1': 1.0, 'no_queries': 1.0, 'k1': 1.9, 'k2': 2.0, 'k4': 2.3,
+        'oracle': 2.4, 'faithful': 1.9}
+# Each job process runs its matmuls on one thread: on 2 cores two such processes do about 1.3
+# times the work of one process with two threads (small matmuls scale poorly; docs/results.md).
+ONE_THREAD = '--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
+
+
+def job_groups(variants: list[str], jobs: int) -> list[list[str]]:
+  """Splits `variants` into at most `jobs` groups of about equal COST (longest first, each to
+  the lightest group); a variant that reuses another's stage 1 goes with it. Each group keeps
+  RUN_ORDER."""
+  groups = [[] for _ in range(max(1, min(jobs, len(variants))))]
+  load = [0.0] * len(groups)
+  followers = {v: src for v, src in SHARED_STAGE1.items() if src in variants}
+  for v in sorted((v for v in variants if v not in followers), key=lambda v: -COST[v]):
+    i = load.index(min(load))
+    groups[i].append(v)
+    load[i] += COST[v]
+  for v, src in followers.items():
+    if v in variants:
+      i = next(i for i, g in enumerate(groups) if src in g)
+      groups[i].append(v)
+  return [[v for v in RUN_ORDER if v in g] for g in groups if g]
 
 
 def _apply_override(config, item: str) -> None:
@@ -64,7 +95,8 @@ def _copy_stage(src: str, dst: str) -> None:
 
 
 def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list[str],
-                data_dir: str = '', tokenizer_from: str = '') -> dict:
+                data_dir: str = '', tokenizer_from: str = '',
+                tokenizer_per_seed: bool = False) -> dict:
   """Trains (or reads back) one variant x seed run in `<root>/<variant>_s<seed>`.
 
   Args:
@@ -74,8 +106,10 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
     preset: configs/synthetic.py preset.
     overrides: 'key=json' config overrides.
     data_dir: an already built dataset folder ('' = `<root>/data`, built when missing).
-    tokenizer_from: a finished tokenizer stage folder copied into every run ('' = train one per
-      seed and share it among that seed's variants).
+    tokenizer_from: a finished tokenizer stage folder copied into every run ('' = train one in
+      `<root>/tokenizer` and share it).
+    tokenizer_per_seed: without `tokenizer_from`, train one tokenizer per seed
+      (`<root>/tokenizer_s<seed>`) instead of one for all seeds.
   """
   from configs import synthetic
   from procap_jax import main
@@ -89,7 +123,8 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   if os.path.exists(results_path):
     with open(results_path, encoding='utf-8') as f:
       return _with_distinct_captions(json.load(f), workdir)
-  shared_tok = tokenizer_from or os.path.join(root, f'tokenizer_s{seed}')
+  shared_tok = tokenizer_from or os.path.join(
+      root, f'tokenizer_s{seed}' if tokenizer_per_seed else 'tokenizer')
   if tokenizer_from and not os.path.exists(os.path.join(tokenizer_from, 'DONE')):
     raise errors.UserError(f'--tokenizer_from {tokenizer_from} is not a finished tokenizer stage '
                            '(no DONE file)')
@@ -208,6 +243,12 @@ def goals(all_results: dict[str, list[dict]]) -> str:
     best = max(ks, key=lambda v: np.mean(_metric(ks[v], 'CIDEr')))
     out.append(f'- k sweep (paper: k = 2 best, 128.5 / 135.6 / 130.5): k {values}; best k = '
                f'{best[1]}')
+  oracle = _by_seed(all_results.get('oracle') or [], 'CIDEr')
+  diffs = [oracle[s] - full_seed[s] for s in sorted(set(full_seed) & set(oracle))]
+  if diffs:
+    spread = f' ± {np.std(diffs):.1f}' if len(diffs) > 1 else ''
+    out.append(f'- oracle keyframes minus flow keyframes (k = 2): {np.mean(diffs):+.1f}{spread} '
+               f'CIDEr over {len(diffs)} seed{"s" * (len(diffs) > 1)}')
   return '\n'.join(out) + '\n'
 
 
@@ -217,16 +258,25 @@ def main(argv=None) -> None:
   parser.add_argument('--root', required=True)
   parser.add_argument('--seeds', default='0,1,2')
   parser.add_argument('--variants', default=','.join(VARIANTS))
-  parser.add_argument('--preset', default='default')
+  parser.add_argument('--preset', default='ablation',
+                      help='configs/synthetic.py preset (ablation, default, quick, tiny)')
   parser.add_argument('--data_dir', default='',
                       help='an already built synthetic dataset folder (default <root>/data)')
   parser.add_argument('--tokenizer_from', default='',
                       help='a finished tokenizer stage folder shared by every run (default: one '
-                      'tokenizer per seed)')
+                      'trained in <root>/tokenizer)')
+  parser.add_argument('--tokenizer_per_seed', action='store_true',
+                      help='train one tokenizer per seed instead of one for all seeds')
   parser.add_argument('--override', action='append', default=[],
                       help='config override key=value (JSON value), repeatable')
+  parser.add_argument('--jobs', type=int, default=1,
+                      help='run the variants in this many processes at once, one thread each '
+                      '(2 on a 2-core machine: about 1.3 times the throughput)')
+  parser.add_argument('--core', type=int, default=-1, help=argparse.SUPPRESS)  # set by --jobs
   parser.add_argument('--out', default='docs/results.md')
   args = parser.parse_args(argv)
+  if args.core >= 0 and hasattr(os, 'sched_setaffinity'):
+    os.sched_setaffinity(0, {args.core})
   seeds = [int(s) for s in args.seeds.split(',')]
   variants = [v for v in args.variants.split(',') if v]
   for v in variants:
@@ -234,12 +284,14 @@ def main(argv=None) -> None:
       raise errors.UserError(f'unknown variant {v!r}; choose from {", ".join(VARIANTS)}')
   all_results = {}
   start = time.time()
+  if args.jobs > 1:
+    _run_jobs(args, argv or [], seeds, variants)
   for seed in seeds:
     for v in [v for v in RUN_ORDER if v in variants]:
       print(f'=== {v} seed {seed}', flush=True)
       all_results.setdefault(v, []).append(run_variant(
           v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
-          tokenizer_from=args.tokenizer_from))
+          tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
   command = ' '.join(['python -m procap_jax.ablations'] + (argv or []))
   minutes = (time.time() - start) / 60
   text = (f'### Measured ablations\n\nMeasured with `{command}` (preset '
@@ -251,6 +303,62 @@ def main(argv=None) -> None:
           + by_type(all_results) + '\n\nGoals (issue 24):\n\n' + goals(all_results))
   errors.write_text_atomic(args.out, merge_into(args.out, text))
   print(text)
+
+
+def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> None:
+  """Trains every run in `args.jobs` child processes (this module with --jobs 1 and a subset of
+  the variants, all seeds), each on one thread and, where the OS allows, one core; their output
+  goes to `<root>/job<i>.log`, and a line per minute here shows where each is. The first run
+  (which builds the dataset and trains the shared tokenizer when missing) runs here first, so no
+  two processes build the same thing."""
+  first = next(v for v in RUN_ORDER if v in variants)
+  print(f'=== {first} seed {seeds[0]} (before the jobs: builds what they share)', flush=True)
+  run_variant(first, seeds[0], args.root, args.preset, args.override, data_dir=args.data_dir,
+              tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed)
+  keep = child_argv(argv)
+  env = dict(os.environ, XLA_FLAGS=' '.join(
+      f for f in (os.environ.get('XLA_FLAGS', ''), ONE_THREAD) if f))
+  cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
+  os.makedirs(args.root, exist_ok=True)
+  procs = []
+  for i, group in enumerate(job_groups(variants, args.jobs)):
+    log = os.path.join(args.root, f'job{i}.log')
+    cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--variants', ','.join(group),
+           '--out', os.path.join(args.root, f'job{i}.md')]
+    if len(cores) >= args.jobs:
+      cmd += ['--core', str(cores[i % len(cores)])]
+    print(f'job {i}: {", ".join(group)} (log {log})', flush=True)
+    with open(log, 'a', encoding='utf-8') as f:
+      procs.append((i, log, subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)))
+  while any(p.poll() is None for _, _, p in procs):
+    time.sleep(60)
+    for i, log, p in procs:
+      print(f'job {i}: {"running" if p.poll() is None else "done"}: {_last_line(log)}',
+            flush=True)
+  failed = [i for i, _, p in procs if p.returncode]
+  if failed:
+    raise errors.UserError(f'ablation job(s) {failed} failed; see {args.root}/job<i>.log')
+
+
+def child_argv(argv: list[str]) -> list[str]:
+  """`argv` without the options the parent sets per job (--jobs, --variants, --out, --core),
+  in either the '--flag value' or the '--flag=value' form."""
+  keep, skip = [], ('--jobs', '--variants', '--out', '--core')
+  it = iter(argv)
+  for a in it:
+    if a in skip:
+      next(it, None)
+    elif not a.startswith(tuple(f + '=' for f in skip)):
+      keep.append(a)
+  return keep
+
+
+def _last_line(path: str) -> str:
+  with open(path, 'rb') as f:
+    f.seek(max(0, os.path.getsize(path) - 4096))
+    lines = [l for l in f.read().decode('utf-8', 'replace').splitlines()
+             if l.startswith(('[', '==='))]
+  return lines[-1][:160] if lines else ''
 
 
 BEGIN, END = '<!-- ablations:begin -->', '<!-- ablations:end -->'

@@ -67,3 +67,22 @@ def test_decision_and_type_columns():
   assert '65.0 ± 5.0' in row
   typed = next(r for r in ablations.by_type({'k2': runs}).splitlines() if r.startswith('| full'))
   assert '70.0 ± 10.0' in typed and '| n/a |' in typed  # 'none' CIDEr absent in these runs
+
+
+def test_job_groups_balance_cost_and_keep_shared_stage1_together():
+  groups = ablations.job_groups(list(ablations.VARIANTS), 2)
+  assert sorted(v for g in groups for v in g) == sorted(ablations.VARIANTS)
+  loads = [sum(ablations.COST[v] for v in g) for g in groups]
+  assert max(loads) - min(loads) <= max(ablations.COST.values())
+  for variant, source in ablations.SHARED_STAGE1.items():
+    group = next(g for g in groups if variant in g)
+    assert source in group and group.index(source) < group.index(variant)
+  assert ablations.job_groups(['k2', 'no_queries'], 2) == [['k2', 'no_queries']]
+  assert ablations.job_groups(['static', 'k4'], 1) == [['static', 'k4']]
+
+
+def test_child_argv_drops_the_per_job_options_in_both_forms():
+  argv = ['--root', 'R', '--jobs', '2', '--variants=k2,k4', '--out', 'x.md', '--seeds', '0,1',
+          '--override', 'caption.train.steps=5', '--core=1']
+  assert ablations.child_argv(argv) == ['--root', 'R', '--seeds', '0,1', '--override',
+                                        'caption.train.steps=5']
