@@ -311,10 +311,11 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
   goes to `<root>/job<i>.log`, and a line per minute here shows where each is. The first run
   (which builds the dataset and trains the shared tokenizer when missing) runs here first, so no
   two processes build the same thing."""
-  first = next(v for v in RUN_ORDER if v in variants)
-  print(f'=== {first} seed {seeds[0]} (before the jobs: builds what they share)', flush=True)
-  run_variant(first, seeds[0], args.root, args.preset, args.override, data_dir=args.data_dir,
-              tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed)
+  if not _shared_inputs_ready(args, seeds[0]):
+    first = next(v for v in RUN_ORDER if v in variants)
+    print(f'=== {first} seed {seeds[0]} (before the jobs: builds what they share)', flush=True)
+    run_variant(first, seeds[0], args.root, args.preset, args.override, data_dir=args.data_dir,
+                tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed)
   keep = child_argv(argv)
   env = dict(os.environ, XLA_FLAGS=' '.join(
       f for f in (os.environ.get('XLA_FLAGS', ''), ONE_THREAD) if f))
@@ -338,6 +339,20 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
   failed = [i for i, _, p in procs if p.returncode]
   if failed:
     raise errors.UserError(f'ablation job(s) {failed} failed; see {args.root}/job<i>.log')
+
+
+def _shared_inputs_ready(args, seed: int) -> bool:
+  """Whether the dataset is built and the tokenizer the runs share is trained (then the jobs
+  can start at once; else one run here builds them first, so no two processes build the same).
+  With --tokenizer_per_seed only the first seed's tokenizer is built first."""
+  from configs import synthetic
+  from procap_jax.data import datasets
+  config = synthetic.get_config(args.preset)
+  ddir = args.data_dir or os.path.join(args.root, 'data')
+  tok = args.tokenizer_from or os.path.join(
+      args.root, f'tokenizer_s{seed}' if args.tokenizer_per_seed else 'tokenizer')
+  return (os.path.exists(os.path.join(tok, 'DONE')) and
+          datasets.is_prepared(config.data.name, config.data.builder_config, ddir))
 
 
 def child_argv(argv: list[str]) -> list[str]:

@@ -18,13 +18,13 @@ def test_presets_validate(arg):
   config_lib.validate(synthetic.get_config(arg))
 
 
-def test_ablation_preset_is_the_default_benchmark_with_a_smaller_shorter_stage1():
+def test_ablation_preset_is_the_default_benchmark_and_captioner_with_a_smaller_shorter_stage1():
   default, ablation = synthetic.get_config('default'), synthetic.get_config('ablation')
   assert ablation.preset == 'ablation'
   assert ablation.data == default.data and ablation.tokenizer == default.tokenizer
   assert ablation.pretrain.model.width < default.pretrain.model.width
   assert ablation.pretrain.train.steps < default.pretrain.train.steps
-  assert ablation.caption.train.steps < default.caption.train.steps
+  assert ablation.caption.model == default.caption.model
   # The variants apply on top, and 'faithful' keeps its constant learning rate.
   assert synthetic.get_config('ablation,faithful').pretrain.train.decay_steps == 0
   assert synthetic.get_config('ablation,k4').data.num_keyframes == 4
