@@ -272,6 +272,9 @@ def main(argv=None) -> None:
   parser.add_argument('--jobs', type=int, default=1,
                       help='run the variants in this many processes at once, one thread each '
                       '(2 on a 2-core machine: about 1.3 times the throughput)')
+  parser.add_argument('--report_only', action='store_true',
+                      help='train nothing: write the table from the runs already finished and '
+                      'name the missing ones')
   parser.add_argument('--core', type=int, default=-1, help=argparse.SUPPRESS)  # set by --jobs
   parser.add_argument('--out', default='docs/results.md')
   args = parser.parse_args(argv)
@@ -282,21 +285,32 @@ def main(argv=None) -> None:
   for v in variants:
     if v not in VARIANTS:
       raise errors.UserError(f'unknown variant {v!r}; choose from {", ".join(VARIANTS)}')
-  all_results = {}
+  all_results, missing = {}, []
   start = time.time()
-  if args.jobs > 1:
+  if args.jobs > 1 and not args.report_only:
     _run_jobs(args, argv or [], seeds, variants)
   for seed in seeds:
     for v in [v for v in RUN_ORDER if v in variants]:
+      if args.report_only and not os.path.exists(
+          os.path.join(args.root, f'{v}_s{seed}', 'results.json')):
+        missing.append(f'{v} seed {seed}')
+        continue
       print(f'=== {v} seed {seed}', flush=True)
       all_results.setdefault(v, []).append(run_variant(
           v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
           tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
-  command = ' '.join(['python -m procap_jax.ablations'] + (argv or []))
+  command = ' '.join(['python -m procap_jax.ablations'] +
+                     [a for a in (argv or []) if a != '--report_only'])
   minutes = (time.time() - start) / 60
-  text = (f'### Measured ablations\n\nMeasured with `{command}` (preset '
-          f'`{args.preset}`, overrides {args.override or "none"}, seeds {seeds}; this call took '
-          f'{minutes:.0f} min, runs already finished are read back, not retrained). Test split, '
+  if args.report_only:
+    how = (f'Runs made by `{command}`; this table read back the finished ones '
+           f'(`--report_only`)' + (f'; not finished yet: {", ".join(missing)}' if missing
+                                   else ''))
+  else:
+    how = (f'Measured with `{command}` (this call took {minutes:.0f} min; runs already finished '
+           'are read back, not retrained)')
+  text = (f'### Measured ablations\n\n{how}. Preset `{args.preset}`, overrides '
+          f'{args.override or "none"}, seeds {seeds}. Test split, '
           'checkpoint chosen on val; scores x 100, mean ± std over seeds. The paper column is '
           'CLEVR-Change, for context only: a different dataset and scale.\n\n'
           + table(all_results) + '\n\nCIDEr by change type (mean ± std over seeds):\n\n'

@@ -1,6 +1,8 @@
 """Tests for procap_jax/ablations.py (the table and the results file; the runs themselves are
 ordinary `main` runs tested elsewhere)."""
 
+import json
+
 from procap_jax import ablations
 
 
@@ -86,3 +88,22 @@ def test_child_argv_drops_the_per_job_options_in_both_forms():
           '--override', 'caption.train.steps=5', '--core=1']
   assert ablations.child_argv(argv) == ['--root', 'R', '--seeds', '0,1', '--override',
                                         'caption.train.steps=5']
+
+
+def test_report_only_reads_finished_runs_and_names_the_missing(tmp_path):
+  root = tmp_path / 'abl'
+  for variant, seed, cider in (('k2', 0, 0.7), ('k2', 1, 0.5), ('static', 0, 0.6)):
+    run = root / f'{variant}_s{seed}'
+    (run / 'caption').mkdir(parents=True)
+    (run / 'results.json').write_text(json.dumps(_run(cider, cider, seed=seed)))
+    (run / 'config.json').write_text(json.dumps({'seed': seed}))
+    (run / 'caption' / 'predictions_test.json').write_text(json.dumps(
+        [{'image_id': 1, 'caption': 'a'}, {'image_id': 2, 'caption': 'b'}]))
+  out = tmp_path / 'results.md'
+  ablations.main(['--root', str(root), '--seeds', '0,1', '--variants', 'static,k2',
+                  '--report_only', '--out', str(out)])
+  text = out.read_text()
+  assert 'not finished yet: static seed 1' in text and '--report_only' not in text.split(';')[0]
+  k2_row = next(r for r in text.splitlines() if r.startswith('| full, k = 2'))
+  assert '| 2 |' in k2_row and '60.0 ± 10.0' in k2_row and '| 2, 2 |' in k2_row
+  assert not (root / 'static_s1').exists()  # nothing trained
