@@ -266,3 +266,24 @@ def test_probe_inputs_read_the_stage1_encoder_and_the_decoder_memory(finished_ru
   assert np.isfinite(stage1['test']).all() and np.isfinite(memory['test']).all()
   # Different pairs give different outputs: the inputs reach the encoder.
   assert not np.allclose(stage1['test'][0], stage1['test'][1])
+
+
+def test_ablation_runner_with_two_jobs_fills_the_table(finished_run, tiny_data_dir, tmp_path,
+                                                       capsys):
+  """`python -m procap_jax.ablations --jobs 2` on the tiny preset: the first run in the parent,
+  the rest in two child processes, every run's results read back into the table."""
+  from procap_jax import ablations
+  _, workdir, _ = finished_run
+  root, out = tmp_path / 'abl', tmp_path / 'results.md'
+  ablations.main(['--root', str(root), '--preset', 'tiny', '--seeds', '0', '--variants',
+                  'static,no_stage1', '--jobs', '2', '--data_dir', tiny_data_dir,
+                  '--tokenizer_from', os.path.join(workdir, 'tokenizer'), '--out', str(out)])
+  printed = capsys.readouterr().out
+  assert 'job 0:' in printed and 'job 1:' in printed
+  for variant in ('static', 'no_stage1'):
+    with open(root / f'{variant}_s0' / 'results.json', encoding='utf-8') as f:
+      assert 'CIDEr' in json.load(f)['metrics']
+  assert (root / 'job0.log').exists() and (root / 'job1.log').exists()
+  text = out.read_text()
+  for label in ('static baseline', 'queries without stage 1'):
+    assert any(line.startswith(f'| {label}') and '| 1 |' in line for line in text.splitlines())
