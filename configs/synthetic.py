@@ -10,7 +10,7 @@ Presets (`--config configs/synthetic.py:<preset>`):
   default  (no preset) the `small` synthetic benchmark, 64 px; 1 to 2 hours on a 2-core CPU
            (stage 1: 2,000 steps, 45 to 60 minutes plus validation; README "Results").
   ablation the default's benchmark and tokenizer with a 64-wide, 2-block stage-1 encoder, a
-           200-step stage 1 and a 900-step stage 2 (about 20 minutes a run): the preset of
+           200-step stage 1 and a 900-step stage 2 (10 to 25 minutes a run on one thread): the preset of
            `python -m procap_jax.ablations` (docs/results.md, "The ablation table").
 
 Hardware: written for a 2-core CPU; runs unchanged on accelerators (mesh from `config.mesh`).
