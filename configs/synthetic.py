@@ -10,8 +10,9 @@ Presets (`--config configs/synthetic.py:<preset>`):
   default  (no preset) the `small` synthetic benchmark, 64 px; 1 to 2 hours on a 2-core CPU
            (stage 1: 2,000 steps, 45 to 60 minutes plus validation; README "Results").
   ablation the default's benchmark and tokenizer with a 64-wide, 2-block stage-1 encoder, a
-           200-step stage 1 and a 900-step stage 2 (10 to 25 minutes a run on one thread): the preset of
-           `python -m procap_jax.ablations` (docs/results.md, "The ablation table").
+           200-step stage 1 and a 900-step stage 2 (10 to 25 minutes a run on one thread):
+           the preset of `python -m procap_jax.ablations` (docs/results.md, "The ablation
+           table").
 
 Hardware: written for a 2-core CPU; runs unchanged on accelerators (mesh from `config.mesh`).
 Expected results: see README.md (figures measured with this file).
@@ -309,9 +310,9 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
     config.pretrain.train.decay_steps = 0
   else:
     raise ValueError(f'unknown config variant {variant!r}: the presets are tiny, quick, default, '
-                     'ablation (first, e.g. configs/synthetic.py:quick) and the ablation variants, after '
-                     'a preset, static, no_queries, no_stage1, k1, k2, k4, oracle, faithful (e.g. '
-                     ':default,static)')
+                     'ablation (first, e.g. configs/synthetic.py:quick) and the ablation variants, '
+                     'after a preset, static, no_queries, no_stage1, k1, k2, k4, oracle, faithful '
+                     '(e.g. :default,static)')
 
 
 def _set_k(config: ml_collections.ConfigDict, k: int) -> None:

@@ -14,10 +14,11 @@ Each variant x seed is an ordinary run in `<root>/<variant>_s<seed>` (resumable;
 are skipped). The preset is `ablation` unless `--preset` says otherwise: the default's dataset
 and tokenizer with a small 200-step stage 1 and a 900-step stage 2 (10 to 25 minutes a run on one
 thread; 3 seeds of the 8 variants take three to four hours on 2 cores with --jobs 2, so
-docs/results.md's table is partly filled; `--report_only` writes it from the finished runs). The tokenizer does not depend on the variant: one is trained (in
-`<root>/tokenizer`) and copied into every run, so every run reads one feature cache
-(`--tokenizer_per_seed` trains one per seed instead). Test metrics (overall and by change type)
-are reported as mean and std over seeds, beside the paper's CLEVR-Change numbers for context.
+docs/results.md's table is partly filled; `--report_only` writes it from the finished runs).
+The tokenizer does not depend on the variant: one is trained (in `<root>/tokenizer`) and copied
+into every run, so every run reads one feature cache (`--tokenizer_per_seed` trains one per seed
+instead). Test metrics (overall and by change type) are reported as mean and std over seeds,
+beside the paper's CLEVR-Change numbers for context.
 """
 
 import argparse
@@ -124,8 +125,7 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   if os.path.exists(results_path):
     with open(results_path, encoding='utf-8') as f:
       return _with_distinct_captions(json.load(f), workdir)
-  shared_tok = tokenizer_from or os.path.join(
-      root, f'tokenizer_s{seed}' if tokenizer_per_seed else 'tokenizer')
+  shared_tok = shared_tokenizer_dir(root, seed, tokenizer_from, tokenizer_per_seed)
   if tokenizer_from and not os.path.exists(os.path.join(tokenizer_from, 'DONE')):
     raise errors.UserError(f'--tokenizer_from {tokenizer_from} is not a finished tokenizer stage '
                            '(no DONE file)')
@@ -136,6 +136,14 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   results = main.run(config, workdir)
   _copy_stage(os.path.join(workdir, 'tokenizer'), shared_tok)
   return _with_distinct_captions(dict(results), workdir)
+
+
+def shared_tokenizer_dir(root: str, seed: int, tokenizer_from: str,
+                         tokenizer_per_seed: bool) -> str:
+  """The finished tokenizer stage a run of `seed` copies: `tokenizer_from`, else the one the
+  runs train and share in `<root>` (one per seed with `tokenizer_per_seed`)."""
+  return tokenizer_from or os.path.join(
+      root, f'tokenizer_s{seed}' if tokenizer_per_seed else 'tokenizer')
 
 
 def _with_distinct_captions(results: dict, workdir: str) -> dict:
@@ -364,8 +372,7 @@ def _shared_inputs_ready(args, seed: int) -> bool:
   from procap_jax.data import datasets
   config = synthetic.get_config(args.preset)
   ddir = args.data_dir or os.path.join(args.root, 'data')
-  tok = args.tokenizer_from or os.path.join(
-      args.root, f'tokenizer_s{seed}' if args.tokenizer_per_seed else 'tokenizer')
+  tok = shared_tokenizer_dir(args.root, seed, args.tokenizer_from, args.tokenizer_per_seed)
   return (os.path.exists(os.path.join(tok, 'DONE')) and
           datasets.is_prepared(config.data.name, config.data.builder_config, ddir))
 
