@@ -74,6 +74,9 @@ _DIRECT_WRITES = {  # the only writes that are not atomic, and why that is safe
                                                         'private temporary directory',
     ('procap_jax/data/feature_cache.py', "open(path, 'a'"): 'the build lock, opened for flock '
                                                             'only: nothing is written to it',
+    ('procap_jax/ablations.py', "open(log, 'a'"): "a --jobs child's stdout log, append-only; "
+                                                 'the runs it reports on write their own files '
+                                                 'atomically',
 }
 
 
