@@ -24,7 +24,9 @@ ships it) and without, ours; the original's inference, ours.
     one after another inside one timed batch. Torch compiles nothing: the first step is timed
     (`--original_warmup` untimed steps before, 1 at small size).
   - ours: `python -m bench.train_step` (stage pretrain at batch 8, stage caption at batch 32
-    pairs) and `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
+    pairs; each also with `--feature_cache on`, the step as it runs on the tokenizer feature
+    cache built once after stage 0: stage 1 encodes only the frames a corruption changed, stage
+    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`) and `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
     Python with procap_jax; torch never enters that process), XLA on all cores, from
     `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
     uncommitted edits out of the measurement). Their first step (compilation) is not timed.
@@ -257,10 +259,13 @@ def _ours(opts, what: str, versions: dict) -> dict:
     cmd = ['-m', 'bench.caption_speed', '--config', size['config'], '--batch',
            str(BATCH['infer']), '--repeats', str(opts.steps), *sets]
   else:
-    stage, batch = ('pretrain', BATCH['stage1']) if what == 'stage1' else (
+    base, _, variant = what.partition(':')
+    stage, batch = ('pretrain', BATCH['stage1']) if base == 'stage1' else (
         'caption', 2 * BATCH['stage2'])
     cmd = ['-m', 'bench.train_step', '--config', size['config'], '--stage', stage, '--batch',
            str(batch), '--steps', str(opts.steps), *sets]
+    if variant == 'cached':  # the tokenizer feature cache (data.feature_cache): no image encodes
+      cmd += ['--feature_cache', 'on']
   records, error = _run([opts.ours_python, *cmd], opts.timeout, opts.ours_tree)
   rec = records[-1] if records else {}
   out = dict(jax=versions.get('jax'), threads=os.cpu_count(), command=' '.join(cmd),
@@ -289,8 +294,9 @@ def _cpu_model() -> str:
 
 
 PLAN = (  # (side, what, batch as the original counts it, pair or sample forwards per step)
-    ('original', 'stage1', 8), ('ours', 'stage1', 8),
+    ('original', 'stage1', 8), ('ours', 'stage1', 8), ('ours', 'stage1:cached', 8),
     ('original', 'stage2:anomaly', 32), ('original', 'stage2', 32), ('ours', 'stage2', 32),
+    ('ours', 'stage2:cached', 32),
     ('original', 'infer', 32), ('ours', 'infer', 32),
 )
 
@@ -324,10 +330,14 @@ def _ratios(results: list[dict]) -> dict:
              and r.get('step_s')]
     return statistics.median(times) if times else None
   out = {}
-  for what, ours in (('stage1', 'stage1'), ('stage2:anomaly', 'stage2'), ('stage2', 'stage2'),
-                     ('infer', 'infer')):
+  for name, what, ours in (('stage1', 'stage1', 'stage1'),
+                           ('stage1_cached', 'stage1', 'stage1:cached'),
+                           ('stage2_anomaly', 'stage2:anomaly', 'stage2'),
+                           ('stage2', 'stage2', 'stage2'),
+                           ('stage2_cached', 'stage2', 'stage2:cached'),
+                           ('infer', 'infer', 'infer')):
     a, b = median('original', what), median('ours', ours)
-    out[what.replace(':', '_')] = round(a / b, 2) if a and b else None
+    out[name] = round(a / b, 2) if a and b else None
   return out
 
 
