@@ -3,16 +3,17 @@ r"""The paper's ablations on the synthetic benchmark, several seeds, written to 
   python -m procap_jax.ablations --root workdir/ablations --seeds 0,1,2
   python -m procap_jax.ablations --root R --data_dir W/data --tokenizer_from W/tokenizer  # reuse
       # the dataset and tokenizer of a README command 1 run (W = its workdir)
-  python -m procap_jax.ablations --root R --preset default --seeds 0 \
-      --override caption.train.steps=400   # the default's model, shorter stage 2
+  python -m procap_jax.ablations --root R --preset large --seeds 0 \
+      --override caption.train.steps=400   # the larger stage 1 of `large`, shorter stage 2
 
 Variants (configs/synthetic.py): static (no stage 1, no queries), no_queries (stage 1, no
 queries), no_stage1 (queries without stage 1, k = 1), k1, k2 (the full model), k4, and oracle
 (k = 2 with keyframes from the renderer's true procedure instead of flow frames) and faithful
 (k = 2 with the paper presets' stage-1 switches instead of the synthetic default's departures).
 Each variant x seed is an ordinary run in `<root>/<variant>_s<seed>` (resumable; finished runs
-are skipped). The preset is `ablation` unless `--preset` says otherwise: the default's dataset
-and tokenizer with a small 200-step stage 1 and a 900-step stage 2 (12 to 35 minutes a run on one
+are skipped). The preset is `ablation` unless `--preset` says otherwise: the default (the `small` dataset and
+its tokenizer, a small 200-step stage 1 and a 900-step stage 2) with a smaller report, so the full
+k = 2 row is the default's result (12 to 35 minutes a run on one
 thread; 3 seeds of the 8 variants take about three and a half hours on 2 cores with --jobs 2,
 docs/results.md; `--report_only` writes the table from the finished runs, training nothing).
 The tokenizer does not depend on the variant: one is trained (in `<root>/tokenizer`) and copied
@@ -268,7 +269,7 @@ def main(argv=None) -> None:
   parser.add_argument('--seeds', default='0,1,2')
   parser.add_argument('--variants', default=','.join(VARIANTS))
   parser.add_argument('--preset', default='ablation',
-                      help='configs/synthetic.py preset (ablation, default, quick, tiny)')
+                      help='configs/synthetic.py preset (ablation, default, large, quick, tiny)')
   parser.add_argument('--data_dir', default='',
                       help='an already built synthetic dataset folder (default <root>/data)')
   parser.add_argument('--tokenizer_from', default='',

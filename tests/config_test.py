@@ -13,18 +13,26 @@ from procap_jax import errors
 
 @pytest.mark.parametrize('arg', ['tiny', 'quick', 'default', 'default,static', 'quick,k4',
                                  'tiny,oracle', 'default,no_stage1', 'default,no_queries',
-                                 'ablation', 'ablation,faithful', 'ablation,static'])
+                                 'ablation', 'ablation,faithful', 'ablation,static', 'large',
+                                 'large,k4'])
 def test_presets_validate(arg):
   config_lib.validate(synthetic.get_config(arg))
 
 
-def test_ablation_preset_is_the_default_benchmark_and_captioner_with_a_smaller_shorter_stage1():
-  default, ablation = synthetic.get_config('default'), synthetic.get_config('ablation')
-  assert ablation.preset == 'ablation'
-  assert ablation.data == default.data and ablation.tokenizer == default.tokenizer
-  assert ablation.pretrain.model.width < default.pretrain.model.width
-  assert ablation.pretrain.train.steps < default.pretrain.train.steps
-  assert ablation.caption.model == default.caption.model
+def test_default_is_large_with_a_smaller_shorter_stage1_and_ablation_is_default_trained():
+  default, large = synthetic.get_config('default'), synthetic.get_config('large')
+  ablation = synthetic.get_config('ablation')
+  assert (default.preset, large.preset, ablation.preset) == ('default', 'large', 'ablation')
+  assert default.data == large.data and default.tokenizer == large.tokenizer
+  assert default.pretrain.model.width < large.pretrain.model.width
+  assert default.pretrain.train.steps < large.pretrain.train.steps
+  assert default.caption.model == large.caption.model
+  # The ablation runs train exactly the default (its full k = 2 row is the default's result);
+  # only the report is smaller.
+  assert ablation.report.gallery_per_type < default.report.gallery_per_type
+  for key in ('seed', 'stages', 'data', 'tokenizer', 'pretrain', 'caption', 'mesh',
+              'compute_dtype'):
+    assert ablation[key] == default[key], key
   # The variants apply on top, and 'faithful' keeps its constant learning rate.
   assert synthetic.get_config('ablation,faithful').pretrain.train.decay_steps == 0
   assert synthetic.get_config('ablation,k4').data.num_keyframes == 4
