@@ -1,0 +1,119 @@
+r"""The paper-size stage-1 encoder's matmuls, timed alone: XLA:CPU (with and without oneDNN)
+against torch, in one run on one machine.
+
+  python -m bench.matmul_shapes                               # XLA only
+  python -m bench.matmul_shapes --torch_python PY             # and torch (PY: a Python with torch)
+
+Why: at paper size our stage-1 step is slower than the original's although both do the same
+FLOPs (docs/performance.md, "Against the original"); this separates the matmul library from
+everything else. Shapes (f32) of the 12 x 768 encoder at the fused batch 24 over 811 tokens
+(M = 24 x 811 rows): the QKV, output and MLP projections, and the per-head attention products
+(288 = 24 x 12 heads of 811 x 64). Each is timed as a jitted function (XLA, `XLA_FLAGS` set per
+variant in a fresh process) or under torch.no_grad (torch, `--threads` threads), median of
+`--repeats` after one warm-up; one JSON line per (backend, shape) with GFLOP/s.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+M = 24 * 811
+SHAPES = {  # name -> (batch or None, m, k, n): [b, m, k] @ [b, k, n]
+    'qkv 19464x768 @ 768x2304': (None, M, 768, 2304),
+    'out 19464x768 @ 768x768': (None, M, 768, 768),
+    'mlp_up 19464x768 @ 768x3072': (None, M, 768, 3072),
+    'mlp_down 19464x3072 @ 3072x768': (None, M, 3072, 768),
+    'scores 288 x 811x64 @ 64x811': (288, 811, 64, 811),
+    'context 288 x 811x811 @ 811x64': (288, 811, 811, 64),
+    'square 2048x2048 @ 2048x2048': (None, 2048, 2048, 2048),
+}
+
+
+def _flops(b, m, k, n) -> float:
+  return 2.0 * (b or 1) * m * k * n
+
+
+def run_xla(repeats: int) -> list[dict]:
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  out = []
+  for name, (b, m, k, n) in SHAPES.items():
+    key = jax.random.PRNGKey(0)
+    lead = (b,) if b else ()
+    x = jax.random.normal(key, lead + (m, k), jnp.float32)
+    w = jax.random.normal(key, lead + (k, n), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    f(x, w).block_until_ready()
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      f(x, w).block_until_ready()
+      times.append(time.perf_counter() - t0)
+    out.append(dict(backend='xla', shape=name, seconds=statistics.median(times),
+                    gflops=_flops(b, m, k, n) / statistics.median(times) / 1e9))
+  return out
+
+
+def run_torch(repeats: int, threads: int) -> list[dict]:
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(threads)
+  out = []
+  with torch.no_grad():
+    for name, (b, m, k, n) in SHAPES.items():
+      lead = (b,) if b else ()
+      x, w = torch.randn(*lead, m, k), torch.randn(*lead, k, n)
+      torch.matmul(x, w)
+      times = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(x, w)
+        times.append(time.perf_counter() - t0)
+      out.append(dict(backend=f'torch {torch.__version__} ({threads} threads)', shape=name,
+                      seconds=statistics.median(times),
+                      gflops=_flops(b, m, k, n) / statistics.median(times) / 1e9))
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--torch_python', default='', help='a Python with torch (optional)')
+  parser.add_argument('--threads', type=int, default=os.cpu_count())
+  parser.add_argument('--child', default='', help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child == 'xla':
+    records = run_xla(args.repeats)
+  elif args.child == 'torch':
+    records = run_torch(args.repeats, args.threads)
+  else:
+    records = None
+  if records is not None:
+    for r in records:
+      print(json.dumps(r), flush=True)
+    return
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  runs = [('xla', sys.executable, ''), ('xla onednn', sys.executable, '--xla_cpu_use_onednn=true')]
+  if args.torch_python:
+    runs.append(('torch', args.torch_python, ''))
+  for label, python, flags in runs:
+    env = dict(os.environ, PYTHONPATH=here)
+    if flags:
+      env['XLA_FLAGS'] = ' '.join(f for f in (os.environ.get('XLA_FLAGS', ''), flags) if f)
+    child = 'torch' if label == 'torch' else 'xla'
+    proc = subprocess.run([python, '-m', 'bench.matmul_shapes', '--child', child, '--repeats',
+                           str(args.repeats), '--threads', str(args.threads)], cwd=here, env=env,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode:
+      print(json.dumps(dict(variant=label, error=proc.stderr.strip().splitlines()[-1:])))
+      continue
+    for line in proc.stdout.splitlines():
+      if line.startswith('{'):
+        print(json.dumps(dict(json.loads(line), variant=label)), flush=True)
+
+
+if __name__ == '__main__':
+  main()
