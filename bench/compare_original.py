@@ -26,7 +26,8 @@ ships it) and without, ours; the original's inference, ours.
   - ours: `python -m bench.train_step` (stage pretrain at batch 8, stage caption at batch 32
     pairs; each also with `--feature_cache on`, the step as it runs on the tokenizer feature
     cache built once after stage 0: stage 1 encodes only the frames a corruption changed, stage
-    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`) and `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
+    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`) and
+    `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
     Python with procap_jax; torch never enters that process), XLA on all cores, from
     `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
     uncommitted edits out of the measurement). Their first step (compilation) is not timed.
