@@ -37,44 +37,44 @@ def _flops(b, m, k, n) -> float:
   return 2.0 * (b or 1) * m * k * n
 
 
+def _record(backend: str, name: str, fn, repeats: int) -> dict:
+  """Times `fn()` (which must block) `repeats` times after one warm-up call. The same loop as
+  `bench.common.time_all`, which the torch child cannot import (bench.common imports jax)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  seconds = statistics.median(times)
+  return dict(backend=backend, shape=name, seconds=seconds,
+              gflops=_flops(*SHAPES[name]) / seconds / 1e9)
+
+
 def run_xla(repeats: int) -> list[dict]:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  f = jax.jit(jnp.matmul)
   out = []
   for name, (b, m, k, n) in SHAPES.items():
     key = jax.random.PRNGKey(0)
     lead = (b,) if b else ()
     x = jax.random.normal(key, lead + (m, k), jnp.float32)
     w = jax.random.normal(key, lead + (k, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
-    f(x, w).block_until_ready()
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      f(x, w).block_until_ready()
-      times.append(time.perf_counter() - t0)
-    out.append(dict(backend='xla', shape=name, seconds=statistics.median(times),
-                    gflops=_flops(b, m, k, n) / statistics.median(times) / 1e9))
+    out.append(_record('xla', name, lambda: f(x, w).block_until_ready(), repeats))
   return out
 
 
 def run_torch(repeats: int, threads: int) -> list[dict]:
   import torch  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(threads)
+  backend = f'torch {torch.__version__} ({threads} threads)'
   out = []
   with torch.no_grad():
     for name, (b, m, k, n) in SHAPES.items():
       lead = (b,) if b else ()
       x, w = torch.randn(*lead, m, k), torch.randn(*lead, k, n)
-      torch.matmul(x, w)
-      times = []
-      for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(x, w)
-        times.append(time.perf_counter() - t0)
-      out.append(dict(backend=f'torch {torch.__version__} ({threads} threads)', shape=name,
-                      seconds=statistics.median(times),
-                      gflops=_flops(b, m, k, n) / statistics.median(times) / 1e9))
+      out.append(_record(backend, name, lambda: torch.matmul(x, w), repeats))
   return out
 
 
@@ -85,13 +85,9 @@ def main():
   parser.add_argument('--threads', type=int, default=os.cpu_count())
   parser.add_argument('--child', default='', help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args.child == 'xla':
-    records = run_xla(args.repeats)
-  elif args.child == 'torch':
-    records = run_torch(args.repeats, args.threads)
-  else:
-    records = None
-  if records is not None:
+  if args.child:
+    records = (run_xla(args.repeats) if args.child == 'xla'
+               else run_torch(args.repeats, args.threads))
     for r in records:
       print(json.dumps(r), flush=True)
     return
