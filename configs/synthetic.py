@@ -316,9 +316,8 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
   else:
     raise ValueError(f'unknown config variant {variant!r}: the presets are tiny, quick, default, '
                      'large, ablation (first, e.g. configs/synthetic.py:quick) and the ablation '
-                     'variants, '
-                     'after a preset, static, no_queries, no_stage1, k1, k2, k4, oracle, faithful '
-                     '(e.g. :default,static)')
+                     'variants, after a preset, static, no_queries, no_stage1, k1, k2, k4, '
+                     'oracle, faithful (e.g. :default,static)')
 
 
 def _set_k(config: ml_collections.ConfigDict, k: int) -> None:

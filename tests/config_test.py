@@ -27,8 +27,8 @@ def test_default_is_large_with_a_smaller_shorter_stage1_and_ablation_is_default_
   assert default.pretrain.model.width < large.pretrain.model.width
   assert default.pretrain.train.steps < large.pretrain.train.steps
   assert default.caption.model == large.caption.model
-  # The ablation runs train exactly the default (its full k = 2 row is the default's result);
-  # only the report is smaller.
+  # The ablation runs train exactly the default config (its full k = 2 row); only the report
+  # is smaller.
   assert ablation.report.gallery_per_type < default.report.gallery_per_type
   for key in ('seed', 'stages', 'data', 'tokenizer', 'pretrain', 'caption', 'mesh',
               'compute_dtype'):
