@@ -1,8 +1,13 @@
 """The TFDS builders this project knows, and how to open their prepared splits.
 
 An explicit table (no registry lookups by string import): dataset name -> builder package.
+
+Opened splits decode image sequences lazily (`LazyImages`): a synthetic record holds 18 frames
+(9 interpolated, 9 oracle) besides its before and after images, and a training example reads 2
+to 4 of them, so decoding every PNG of a record was most of the input pipeline's time.
 """
 
+import collections.abc
 import importlib
 import os
 
@@ -54,4 +59,37 @@ def data_source(name: str, builder_config: str, data_dir: str, split: str):
   if split not in builder.info.splits:
     raise errors.UserError(f'dataset {name}/{builder_config} has no split {split!r}; it has '
                            f'{", ".join(builder.info.splits)}')
-  return builder.as_data_source(split=split)
+  features = builder.info.features
+  lazy = {key: LazyImageSequence() for key, feature in features.items()
+          if isinstance(feature, tfds.features.Sequence)
+          and isinstance(feature.feature, tfds.features.Image)}
+  return builder.as_data_source(split=split, decoders=lazy or None)
+
+
+class LazyImages(collections.abc.Sequence):
+  """The images of one record's image sequence, each decoded when it is indexed.
+
+  A read-only sequence of uint8 [H, W, C] arrays (len, indexing, slicing, iteration, np.stack
+  all work as on the list of decoded images it stands for); an image read twice is decoded twice.
+  """
+
+  def __init__(self, feature: tfds.features.Image, encoded):
+    self._feature, self._encoded = feature, encoded
+
+  def __len__(self) -> int:
+    return len(self._encoded)
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return [self[j] for j in range(*i.indices(len(self)))]
+    return self._feature.decode_example_np(self._encoded[i])
+
+
+class LazyImageSequence(tfds.decode.Decoder):
+  """TFDS decoder of a `Sequence(Image)` feature into `LazyImages` (the NumPy path only)."""
+
+  def decode_example(self, serialized_example):
+    raise NotImplementedError('LazyImageSequence decodes NumPy records only')
+
+  def decode_batch_example_np(self, serialized_example):
+    return LazyImages(self.feature, serialized_example)
