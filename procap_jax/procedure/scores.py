@@ -55,6 +55,15 @@ def _cell_sums(values: np.ndarray, grid: int) -> np.ndarray:
   return values.reshape(grid, s // grid, grid, s // grid, c).sum(axis=(1, 3)).reshape(-1)
 
 
+def _cell_counts(labels: np.ndarray, num_labels: int, grid: int) -> np.ndarray:
+  """Histogram of integer labels [S, S] in every cell of a grid x grid partition; float32
+  [grid * grid * num_labels], laid out as `_cell_sums` of the labels' one-hot [S, S, L]."""
+  s = labels.shape[0]
+  cell = (np.arange(s) // (s // grid))                                  # [S] cell per row/column
+  index = (cell[:, None] * grid + cell[None, :]) * num_labels + labels  # [S, S]
+  return np.bincount(index.ravel(), minlength=grid * grid * num_labels).astype(np.float32)
+
+
 def stats_features(frames: np.ndarray) -> np.ndarray:
   """Training-free image features: colour histograms and gradient statistics, several scales.
 
@@ -75,8 +84,8 @@ def stats_features(frames: np.ndarray) -> np.ndarray:
     img = cv2.resize(interpolation.to_rgb(frame), (_STATS_SIZE, _STATS_SIZE),
                      interpolation=cv2.INTER_AREA)
     bins = (img // 64).astype(np.int64)                              # [S, S, 3] in 0..3
-    one_hot = np.eye(64, dtype=np.float32)[bins[..., 0] * 16 + bins[..., 1] * 4 + bins[..., 2]]
-    blocks = [np.concatenate([_cell_sums(one_hot, g) for g in _GRIDS])]
+    colour = bins[..., 0] * 16 + bins[..., 1] * 4 + bins[..., 2]       # [S, S] in 0..63
+    blocks = [np.concatenate([_cell_counts(colour, 64, g) for g in _GRIDS])]
     gray = cv2.cvtColor(img, cv2.COLOR_RGB2GRAY).astype(np.float32) / 255.0
     for size in (64, 32, 16):
       g = cv2.resize(gray, (size, size), interpolation=cv2.INTER_AREA)
