@@ -86,14 +86,15 @@ def _tokenizer_feature_fn(config, workdir: str):
 def _compute_scores(config, workdir: str, path: str, feature: str = 'stats') -> None:
   from procap_jax.procedure import scores as scores_lib
   t0 = time.time()
-  if feature == 'stats':
-    feature_fn = scores_lib.FEATURES['stats']
-  else:
-    feature_fn = _tokenizer_feature_fn(config, workdir)
+  if feature == 'stats':  # a plain function: scored on every core
+    feature_fn, workers = scores_lib.FEATURES['stats'], len(os.sched_getaffinity(0))
+  else:  # the jitted tokenizer: in this process
+    feature_fn, workers = _tokenizer_feature_fn(config, workdir), 1
   entries = {}
   for split in ('train', 'val', 'test'):
     src = pipeline.open_source(config, workdir, split)
-    entries.update(scores_lib.scores_for_split(src, config.data.frame_source, feature_fn))
+    entries.update(scores_lib.scores_for_split(src, config.data.frame_source, feature_fn,
+                                               workers=workers))
   scores_lib.write_scores(path, entries, 'auto')
   print(f'wrote confidence scores for {len(entries)} pairs in {time.time() - t0:.0f} s', flush=True)
 

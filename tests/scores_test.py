@@ -163,6 +163,17 @@ def test_scores_for_split_sources():
     scores.scores_for_split(empty, 'oracle', scores.stats_features, progress=False)
 
 
+def test_scores_for_split_in_worker_processes_equal_one_process():
+  records = _records(2 * scores._BLOCK + 5)  # three blocks, the last one short
+  one = scores.scores_for_split(records, 'frames', scores.stats_features, progress=False)
+  two = scores.scores_for_split(records, 'frames', scores.stats_features, progress=False,
+                                workers=2)
+  assert list(two) == list(one) and len(one) == len(records)
+  for key, (bef, aft) in one.items():
+    np.testing.assert_array_equal(two[key][0], bef)
+    np.testing.assert_array_equal(two[key][1], aft)
+
+
 def test_command(tmp_path, monkeypatch, capsys):
   import tensorflow_datasets as tfds
   seen = {}

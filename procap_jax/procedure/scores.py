@@ -23,6 +23,7 @@ Command (a scores file for a TFDS dataset):
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 from typing import Callable
@@ -37,6 +38,7 @@ from procap_jax.procedure import interpolation
 FeatureFn = Callable[[np.ndarray], np.ndarray]
 BEF, AFT = 'bef_inter_sim', 'inter_aft_sim'
 CLEVR_HALVES = {'c': 'sc_sim_matrixes', 'nc': 'nsc_sim_matrixes'}
+_BLOCK = 64  # records per task of a parallel `scores_for_split`
 _CLEVR_ID = re.compile(r'^(\d+)(c|nc)$')
 _STATS_SIZE = 64          # frames are resized to this square before `stats_features`
 _GRIDS = (1, 2, 4)        # spatial pyramid: cells per side
@@ -263,33 +265,69 @@ def _text(x) -> str:
   return x.decode('utf-8') if isinstance(x, bytes) else str(x)
 
 
-def scores_for_split(source, frames_from: str, feature_fn: FeatureFn,
-                     progress: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _pair_scores(record: dict, frames_from: str,
+                 feature_fn: FeatureFn) -> tuple[str, tuple[np.ndarray, np.ndarray]]:
+  """(pair id, scores) of one record; see `scores_for_split`."""
+  if frames_from == 'crossfade':
+    frames = interpolation.interpolate(record['before'], record['after'], method='crossfade')
+  else:
+    frames = record['oracle_frames' if frames_from == 'oracle' else 'frames']
+    if len(frames) == 0:
+      raise errors.UserError(f'record {_text(record["pair_id"])} has no {frames_from} frames '
+                             '(oracle frames exist for the synthetic dataset only)')
+    frames = np.stack([np.asarray(f) for f in frames])
+  return _text(record['pair_id']), compute_pair_scores(frames, feature_fn)
+
+
+_worker_args: tuple = ()  # (source, frames_from, feature_fn) in a `scores_for_split` worker
+
+
+def _init_worker(*args) -> None:
+  global _worker_args
+  cv2.setNumThreads(1)
+  _worker_args = args
+
+
+def _score_rows(rows: tuple[int, int]) -> list:
+  source, frames_from, feature_fn = _worker_args
+  return [_pair_scores(source[i], frames_from, feature_fn) for i in range(*rows)]
+
+
+def scores_for_split(source, frames_from: str, feature_fn: FeatureFn, progress: bool = True,
+                     workers: int = 1) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """Scores of every record of a split.
 
   Args:
     source: random-access records (`tfds.data_source`) with `pair_id` and `frames` /
-      `oracle_frames` (lists of uint8 [H, W, 3]) or `before` / `after`.
+      `oracle_frames` (sequences of uint8 [H, W, 3]) or `before` / `after`.
     frames_from: 'frames' (the stored interpolation), 'oracle' (the renderer's frames) or
       'crossfade' (blended from before / after).
     feature_fn: the image features.
     progress: show a tqdm bar.
+    workers: > 1 scores blocks of records in that many spawned processes (source and
+      feature_fn must pickle, e.g. a TFDS data source and `stats_features`); same result.
 
   Returns:
-    {pair_id: (bef_inter_sim [1, T], inter_aft_sim [1, T])}.
+    {pair_id: (bef_inter_sim [1, T], inter_aft_sim [1, T])}, in record order.
   """
+  n = len(source)
+  bar = tqdm.tqdm(total=n, desc='scores', disable=not progress)
+  if workers <= 1 or n < 2 * _BLOCK:
+    out = {}
+    for i in range(n):
+      key, value = _pair_scores(source[i], frames_from, feature_fn)
+      out[key] = value
+      bar.update(1)
+    bar.close()
+    return out
+  blocks = [(i, min(i + _BLOCK, n)) for i in range(0, n, _BLOCK)]
   out = {}
-  for i in tqdm.trange(len(source), desc='scores', disable=not progress):
-    record = source[i]
-    if frames_from == 'crossfade':
-      frames = interpolation.interpolate(record['before'], record['after'], method='crossfade')
-    else:
-      frames = record['oracle_frames' if frames_from == 'oracle' else 'frames']
-      if len(frames) == 0:
-        raise errors.UserError(f'record {_text(record["pair_id"])} has no {frames_from} frames '
-                               '(oracle frames exist for the synthetic dataset only)')
-      frames = np.stack([np.asarray(f) for f in frames])
-    out[_text(record['pair_id'])] = compute_pair_scores(frames, feature_fn)
+  ctx = multiprocessing.get_context('spawn')  # safe with JAX / TFDS threads in the parent
+  with bar, ctx.Pool(workers, initializer=_init_worker,
+                     initargs=(source, frames_from, feature_fn)) as pool:
+    for (start, stop), part in zip(blocks, pool.imap(_score_rows, blocks)):
+      out.update(part)
+      bar.update(stop - start)
   return out
 
 
@@ -306,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--feature', default='stats', choices=sorted(FEATURES))
   parser.add_argument('--style', default='auto', choices=('auto', 'flat', 'clevr'))
   parser.add_argument('--out', required=True, help='the JSON file to write')
+  parser.add_argument('--workers', type=int, default=len(os.sched_getaffinity(0)),
+                      help='processes scoring records (default: every available core)')
   args = parser.parse_args(argv)
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
   try:
@@ -313,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
   except Exception as e:  # noqa: BLE001  TFDS raises many types for a missing dataset
     raise errors.UserError(f'cannot read {args.dataset} split {args.split!r} in {args.data_dir} '
                            f'({type(e).__name__}); build the dataset first') from None
-  scores = scores_for_split(source, args.source, FEATURES[args.feature])
+  scores = scores_for_split(source, args.source, FEATURES[args.feature], workers=args.workers)
   style = write_scores(args.out, scores, args.style)
   print(f'wrote {len(scores)} pairs ({style} style) to {args.out}')
 
