@@ -24,6 +24,23 @@ def _check_contract(batch, config, b):
     assert batch[k].shape == shape, k
 
 
+def test_records_decode_their_frames_lazily_to_the_same_images(tiny_data_dir):
+  from procap_jax.data import datasets
+  lazy = datasets.data_source('synthetic_change', 'tiny', tiny_data_dir, 'val')
+  eager = datasets.get_builder('synthetic_change', 'tiny', tiny_data_dir).as_data_source(
+      split='val')
+  for i in (0, len(lazy) - 1):
+    got, want = lazy[i], eager[i]
+    assert set(got) == set(want)
+    for key in ('frames', 'oracle_frames'):
+      assert isinstance(got[key], datasets.LazyImages) and len(got[key]) == len(want[key]) == 9
+      np.testing.assert_array_equal(np.stack(got[key]), np.stack(want[key]))
+      np.testing.assert_array_equal(got[key][-1], want[key][8])
+      np.testing.assert_array_equal(np.stack(got[key][2:5]), np.stack(want[key][2:5]))
+    for key in ('before', 'after'):
+      np.testing.assert_array_equal(got[key], want[key])
+
+
 def test_train_batches_follow_the_contract(tiny_config, tmp_path):
   ds = pipeline.make_train_dataset(tiny_config, str(tmp_path), 4, seed=0)
   batch = ds[0]

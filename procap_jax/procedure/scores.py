@@ -311,23 +311,21 @@ def scores_for_split(source, frames_from: str, feature_fn: FeatureFn, progress: 
     {pair_id: (bef_inter_sim [1, T], inter_aft_sim [1, T])}, in record order.
   """
   n = len(source)
-  bar = tqdm.tqdm(total=n, desc='scores', disable=not progress)
-  if workers <= 1 or n < 2 * _BLOCK:
-    out = {}
-    for i in range(n):
-      key, value = _pair_scores(source[i], frames_from, feature_fn)
-      out[key] = value
-      bar.update(1)
-    bar.close()
-    return out
-  blocks = [(i, min(i + _BLOCK, n)) for i in range(0, n, _BLOCK)]
   out = {}
-  ctx = multiprocessing.get_context('spawn')  # safe with JAX / TFDS threads in the parent
-  with bar, ctx.Pool(workers, initializer=_init_worker,
-                     initargs=(source, frames_from, feature_fn)) as pool:
-    for (start, stop), part in zip(blocks, pool.imap(_score_rows, blocks)):
-      out.update(part)
-      bar.update(stop - start)
+  with tqdm.tqdm(total=n, desc='scores', disable=not progress) as bar:
+    if workers <= 1 or n < 2 * _BLOCK:
+      for i in range(n):
+        key, value = _pair_scores(source[i], frames_from, feature_fn)
+        out[key] = value
+        bar.update(1)
+      return out
+    blocks = [(i, min(i + _BLOCK, n)) for i in range(0, n, _BLOCK)]
+    ctx = multiprocessing.get_context('spawn')  # safe with JAX / TFDS threads in the parent
+    with ctx.Pool(workers, initializer=_init_worker,
+                  initargs=(source, frames_from, feature_fn)) as pool:
+      for (start, stop), part in zip(blocks, pool.imap(_score_rows, blocks)):
+        out.update(part)
+        bar.update(stop - start)
   return out
 
 
