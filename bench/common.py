@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.timing import time_all  # noqa: F401  (re-exported: common.time_all)
 from procap_jax.diagnostics import records as records_lib
 
 FIELDS = ('bench', 'config', 'batch', 'samples_per_s', 'tokens_per_s', 'peak_rss_gib', 'mfu')
@@ -126,16 +127,3 @@ def memory_gib(compiled: Any) -> dict:
     if value is not None:
       out[f'{name}_gib'] = value / 2**30
   return out
-
-
-def time_all(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> list[float]:
-  """Wall times of `repeats` calls of `fn()` (which must block) after `warmup` calls."""
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return times
-

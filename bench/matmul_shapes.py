@@ -19,7 +19,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+from bench import timing
 
 M = 24 * 811
 SHAPES = {  # name -> (batch or None, m, k, n): [b, m, k] @ [b, k, n]
@@ -38,14 +39,8 @@ def _flops(b, m, k, n) -> float:
 
 
 def _record(backend: str, name: str, fn, repeats: int) -> dict:
-  """Times `fn()` (which must block) `repeats` times after one warm-up call. The same loop as
-  `bench.common.time_all`, which the torch child cannot import (bench.common imports jax)."""
-  fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
+  """Times `fn()` (which must block) `repeats` times after one warm-up call."""
+  times = timing.time_all(fn, warmup=1, repeats=repeats)
   seconds = statistics.median(times)
   return dict(backend=backend, shape=name, seconds=seconds,
               gflops=_flops(*SHAPES[name]) / seconds / 1e9)
