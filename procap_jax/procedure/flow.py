@@ -40,17 +40,22 @@ MATCH_AREA = 0.004             # smallest matched region, as a fraction of the i
 UNIQUE = 2.0                   # the second-best template position must be this much worse
 
 
-def warp(image: np.ndarray, flow: np.ndarray) -> np.ndarray:
+def warp(image: np.ndarray, flow: np.ndarray, step: int = 1) -> np.ndarray:
   """Backward warp: out[y, x] = image[y + flow[y, x, 1], x + flow[y, x, 0]] (bilinear).
 
   Args:
     image: float32 [H, W, C] or [H, W].
     flow: float32 [H, W, 2].
+    step: samples only every step-th row and column: the result is the full warp's
+      [::step, ::step] (each output pixel depends on its own flow only), made without the rest.
 
   Returns:
-    float32 with the shape of `image`; samples outside the image repeat the border.
+    float32 with the shape of `image` (or of its [::step, ::step]); samples outside the image
+    repeat the border.
   """
   gx, gy = pixel_grid(*flow.shape[:2])
+  if step > 1:
+    gx, gy, flow = gx[::step, ::step], gy[::step, ::step], flow[::step, ::step]
   return cv2.remap(image, gx + flow[..., 0], gy + flow[..., 1], cv2.INTER_LINEAR,
                    borderMode=cv2.BORDER_REPLICATE)
 
@@ -101,40 +106,49 @@ class _Direction:
     dis.setFinestScale(0)
     dis.setPatchSize(8)
     dis.setPatchStride(4)
-    self.dis = dis.calc(_gray(a), _gray(b), None).astype(np.float32)  # [H, W, 2]
+    gray_a = _gray(a)
+    self.dis = dis.calc(gray_a, _gray(b), None).astype(np.float32)  # [H, W, 2]
     self.flow = self.dis
     self.matched = np.zeros(a.shape[:2], bool)   # pixels whose flow is a moved-object match
     self._fit_photometric()
     # Camera motion: a similarity fitted (RANSAC) to the DIS flow of textured, unchanged pixels.
-    g = _gray(a).astype(np.float32)
+    g = gray_a.astype(np.float32)
     texture = np.hypot(cv2.Sobel(g, cv2.CV_32F, 1, 0), cv2.Sobel(g, cv2.CV_32F, 0, 1))
-    reliable = (cv2.blur(self.residual(), (3, 3)) <= CHANGED) & (texture > TEXTURE)
+    self.dis_residual = self.residual()   # [H, W], with b matched to a on the DIS flow
+    reliable = (cv2.blur(self.dis_residual, (3, 3)) <= CHANGED) & (texture > TEXTURE)
     self.transform = _fit_similarity(self.flow, reliable)
 
   def set_camera(self, transform: np.ndarray) -> None:
-    """Sets the camera motion (3x3, a -> b); DIS flow stays only where clearly better."""
+    """Sets the camera motion (3x3, a -> b), once; DIS flow stays only where clearly better."""
     gx, gy = pixel_grid(*self.a.shape[:2])
     t = transform
     self.camera = np.stack([t[0, 0] * gx + t[0, 1] * gy + t[0, 2] - gx,
                             t[1, 0] * gx + t[1, 1] * gy + t[1, 2] - gy], -1).astype(np.float32)
-    better = (cv2.blur(self.residual(self.dis), (5, 5)) + LOCAL_GAIN
+    better = (cv2.blur(self.dis_residual, (5, 5)) + LOCAL_GAIN
               < cv2.blur(self.residual(self.camera), (5, 5)))
     self.flow = np.where(better[..., None], self.dis, self.camera)
     self._fit_photometric()
 
   def _fit_photometric(self) -> None:
-    """Per-channel gain and offset mapping warp(b) to a (illumination changes); robust LS."""
+    """Per-channel gain and offset mapping warp(b) to a (illumination changes); robust LS.
+
+    Fitted on a grid of about 1024 pixels: two rounds, the second one without the outliers of
+    the first.
+    """
     step = max(1, round(np.sqrt(self.a.shape[0] * self.a.shape[1] / 1024)))
-    x = warp(self.b, self.flow)[::step, ::step].reshape(-1, 3)
+    x = warp(self.b, self.flow, step).reshape(-1, 3)
     y = self.a[::step, ::step].reshape(-1, 3)
-    keep = np.ones(len(x), bool)
-    for _ in range(2):
-      mx, my = x[keep].mean(0), y[keep].mean(0)
-      vx = ((x[keep] - mx) ** 2).mean(0)
-      gain = np.where(vx > 1e-3, ((x[keep] - mx) * (y[keep] - my)).mean(0) / (vx + 1e-6), 1.0)
+    xk, yk = x, y   # the kept samples: all of them in the first round
+    for first_round in (True, False):
+      mx, my = xk.mean(0), yk.mean(0)
+      dx = xk - mx
+      vx = (dx ** 2).mean(0)
+      gain = np.where(vx > 1e-3, (dx * (yk - my)).mean(0) / (vx + 1e-6), 1.0)
       gain = np.clip(gain, 0.5, 2.0)
-      err = _absmax(y, x * gain + my - gain * mx)
-      keep = err < max(3.0 * float(np.median(err)), 4.0)
+      if first_round:   # the second round's outliers would be unused
+        err = _absmax(y, x * gain + my - gain * mx)
+        keep = err < max(3.0 * float(np.median(err)), 4.0)
+        xk, yk = x[keep], y[keep]
     self.b_matched = (self.b * gain + (my - gain * mx)).astype(np.float32)  # ~ a
 
   def residual(self, flow: np.ndarray | None = None) -> np.ndarray:

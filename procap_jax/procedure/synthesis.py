@@ -16,7 +16,7 @@ from procap_jax.procedure import flow
 
 
 def _nearest_fill(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
-  """Replaces the invalid pixels of values [H, W, C] by the value of the nearest valid pixel."""
+  """Replaces the invalid pixels of values [H, W, ...] by the value of the nearest valid pixel."""
   if valid.all() or not valid.any():
     return values
   _, labels = cv2.distanceTransformWithLabels((~valid).astype(np.uint8), cv2.DIST_L2, 5,
@@ -40,24 +40,30 @@ def _project(f01: np.ndarray, f10: np.ndarray, c0: np.ndarray, c1: np.ndarray,
   h, w = f01.shape[:2]
   gx, gy = flow.pixel_grid(h, w)
   one = np.ones((h, w, 1), np.float32)
-  values, targets, priorities = [], [], []
-  # Per source pixel: (ft0 [2], ft1 [2], v0, v1) it carries to its target at time t.
-  carried0 = np.concatenate([-t * f01, (1 - t) * f01, one, c0[..., None]], -1)   # [H, W, 6]
-  carried1 = np.concatenate([t * f10, -(1 - t) * f10, c1[..., None], one], -1)
-  for f, c, s, v in ((f01, c0, t, carried0), (f10, c1, 1 - t, carried1)):
+  # Per source pixel (those of frame 0, then those of frame 1): (ft0 [2], ft1 [2], v0, v1) it
+  # carries to its target at time t.
+  carried = np.concatenate([
+      np.concatenate([-t * f01, (1 - t) * f01, one, c0[..., None]], -1).reshape(-1, 6),
+      np.concatenate([t * f10, -(1 - t) * f10, c1[..., None], one], -1).reshape(-1, 6)])
+  sources, targets, priorities = [], [], []   # per source pixel landing inside the image
+  for k, (f, c, s) in enumerate(((f01, c0, t), (f10, c1, 1 - t))):
     tx = np.rint(gx + s * f[..., 0]).astype(np.int64)
     ty = np.rint(gy + s * f[..., 1]).astype(np.int64)
     inside = (tx >= 0) & (tx < w) & (ty >= 0) & (ty < h)
-    values.append(v[inside])
+    sources.append(np.flatnonzero(inside) + k * h * w)   # its row of `carried`
     targets.append((ty * w + tx)[inside])
     priorities.append((c * 1e4 + np.hypot(f[..., 0], f[..., 1]))[inside])
-  values, targets, priorities = (np.concatenate(x) for x in (values, targets, priorities))
-  order = np.lexsort((priorities, targets))
-  targets = targets[order]
-  last = np.r_[targets[1:] != targets[:-1], True]   # the highest priority per target pixel
-  out, filled = np.zeros((h * w, 6), np.float32), np.zeros(h * w, bool)
-  out[targets[last]], filled[targets[last]] = values[order][last], True
-  out = _nearest_fill(out.reshape(h, w, 6), filled.reshape(h, w))
+  sources, targets, priorities = (np.concatenate(x) for x in (sources, targets, priorities))
+  # Per target pixel, the winner: the highest priority, and the last source among equals.
+  best = np.full(h * w, -np.inf, priorities.dtype)
+  np.maximum.at(best, targets, priorities)
+  candidates = np.flatnonzero(priorities == best[targets])
+  winner = np.full(h * w, -1)   # per pixel at time t: its winner (an index into sources)
+  np.maximum.at(winner, targets[candidates], candidates)
+  filled = winner >= 0
+  source = np.where(filled, sources[winner], -1)   # per pixel: the row of `carried` it shows
+  source = _nearest_fill(source.reshape(h, w), filled.reshape(h, w))
+  out = np.take(carried, source, axis=0)   # [H, W, 6]
   return out[..., 0:2], out[..., 2:4], out[..., 4], out[..., 5]
 
 
