@@ -35,6 +35,7 @@ vocabulary). Checkpoints trained with the official vocabularies must load those 
 """
 
 import collections
+import functools
 import json
 import os
 from typing import Iterable, Mapping, Sequence
@@ -62,9 +63,16 @@ def tokenize(caption: str) -> list[str]:
   if not isinstance(caption, str):
     raise errors.UserError(f'a caption must be a string, got {type(caption).__name__} '
                            f'{_short(caption)}')
+  return list(_word_tokens(caption))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _word_tokens(caption: str) -> tuple[str, ...]:
+  # Cached: training encodes the same few thousand captions every epoch, in the input
+  # pipeline's threads, and nltk's regular expressions were a fifth of an example's CPU time.
   import nltk.tokenize  # here, not at import: nltk (and the scipy it loads) costs the caption
   # command a second and a half of start-up, and decoding never tokenises
-  return nltk.tokenize.word_tokenize(caption.lower(), preserve_line=True)
+  return tuple(nltk.tokenize.word_tokenize(caption.lower(), preserve_line=True))
 
 
 def decoder_labels(ids: np.ndarray) -> np.ndarray:
