@@ -256,7 +256,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.tokenizer = _tokenizer(base)
   config.pretrain = _pretrain(base)
   config.caption = _caption(base)
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+  # cpu_devices: a CPU-only host runs as this many devices (0: one per core; procap_jax.sharding
+  # .cpu_device_count); accelerators ignore it.
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, cpu_devices=0))
   config.sharding = ml_collections.ConfigDict(dict(rules=(
       ('batch', 'data'), ('embed', None), ('mlp', 'model'), ('heads', 'model'),
       ('vocab', 'model'), ('codebook', None), ('conv_in', None), ('conv_out', 'model'),

@@ -56,6 +56,16 @@ def _maybe_init_distributed() -> None:
 
 
 @errors.exit_on_user_error
+def _use_cpu_devices(config) -> None:
+  """`config.mesh.cpu_devices` (one device per core by default) before JAX starts."""
+  from procap_jax import sharding
+  n = sharding.use_cpu_devices(config)
+  if n is not None and n > 1:
+    print(f'running on {n} CPU devices, data-parallel (config.mesh.cpu_devices=1: one device)',
+          flush=True)
+
+
+@errors.exit_on_user_error
 def run(config, workdir: str, mode: str = 'train', split: str = 'test',
         which: str = 'best') -> dict:
   """Does what `mode` says; returns the results dict (tests call this directly).
@@ -204,8 +214,10 @@ def warm_up_caption_command(workdir: str) -> bool:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  _maybe_init_distributed()
   config, workdir = _CONFIG.value, _WORKDIR.value
+  if int(os.environ.get('JAX_NUM_PROCESSES', '1')) <= 1:
+    _use_cpu_devices(config)
+  _maybe_init_distributed()
   results = run(config, workdir, _MODE.value, _SPLIT.value, _WHICH.value)
   if (_MODE.value == 'train' and results and 'caption' in config.stages
       and int(os.environ.get('JAX_PROCESS_ID', '0')) == 0):

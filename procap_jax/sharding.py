@@ -6,6 +6,7 @@ divide is replicated instead (so every mesh shape that divides the devices works
 """
 
 import functools
+import os
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -35,6 +36,56 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | No
 
 def mesh_from_config(config) -> Mesh:
   return make_mesh(config.mesh.data, config.mesh.model)
+
+
+def available_cores() -> int:
+  """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    return os.cpu_count() or 1
+
+
+def cpu_device_count(config, cores: int) -> int:
+  """How many devices `config.mesh.cpu_devices` splits a CPU host of `cores` cores into.
+
+  0 (auto): an explicit mesh (`mesh.data` > 0) gets data x model devices; otherwise one per
+  core, lowered until it divides every training batch size of `config.stages`. 1: one device
+  running every op on all cores. N > 1: N devices.
+  """
+  n = int(config.mesh.cpu_devices)
+  if n < 0:
+    raise errors.UserError(f'config.mesh.cpu_devices is {n}; use 0 (one device per core), 1 or '
+                           'a device count')
+  if n:
+    return n
+  if config.mesh.data > 0:
+    return int(config.mesh.data) * int(config.mesh.model)
+  batches = [int(config[stage].train.batch_size) for stage in config.stages]
+  n = max(1, cores)
+  while n > 1 and any(b % n for b in batches):
+    n -= 1
+  return n
+
+
+def use_cpu_devices(config) -> int | None:
+  """Splits the host CPU into `cpu_device_count` devices for this process (before JAX starts).
+
+  Two-core machines ran the small models' steps on one device whose ops, too small to keep both
+  cores busy, left them idle a third of the time; data parallelism over one device per core fills
+  them (docs/performance.md, "One device per core"). Accelerators are unaffected (this sets only
+  the CPU client's device count). Does nothing, returning None, when `XLA_FLAGS` already sets a
+  host device count (tests, users) or JAX's backends have started (the count cannot change
+  then); otherwise returns the count set.
+  """
+  if 'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', ''):
+    return None
+  from jax._src import xla_bridge  # no public test for "backends started" in this JAX
+  if xla_bridge.backends_are_initialized():
+    return None
+  n = cpu_device_count(config, available_cores())
+  jax.config.update('jax_num_cpu_devices', n)
+  return n
 
 
 def _spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules) -> P:

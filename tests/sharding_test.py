@@ -68,3 +68,42 @@ def test_fsdp_rules_come_from_the_config_table():
     else:
       assert fsdp[name] == 'model', name
   assert fsdp['batch'] == 'data' and fsdp['embed'] == 'model' and fsdp['pos'] is None
+
+
+def _device_config(cpu_devices=0, data=-1, model=1, batches=(16, 8, 16)):
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  for stage, b in zip(('tokenizer', 'pretrain', 'caption'), batches):
+    config[stage].train.batch_size = b
+  config.mesh.cpu_devices, config.mesh.data, config.mesh.model = cpu_devices, data, model
+  return config
+
+
+@pytest.mark.parametrize('cores, want', [(1, 1), (2, 2), (3, 2), (4, 4), (8, 8), (12, 8), (16, 8)])
+def test_cpu_devices_auto_one_per_core_dividing_every_batch(cores, want):
+  assert sharding.cpu_device_count(_device_config(), cores) == want
+
+
+def test_cpu_devices_auto_only_counts_the_configs_stages():
+  config = _device_config(batches=(16, 6, 16))
+  assert sharding.cpu_device_count(config, 4) == 2   # 6 is not divisible by 4 or 3
+  config.stages = ('tokenizer', 'caption')
+  assert sharding.cpu_device_count(config, 4) == 4
+
+
+def test_cpu_devices_explicit_count_and_explicit_mesh():
+  assert sharding.cpu_device_count(_device_config(cpu_devices=1), 8) == 1
+  assert sharding.cpu_device_count(_device_config(cpu_devices=3), 2) == 3
+  assert sharding.cpu_device_count(_device_config(data=2, model=2), 16) == 4
+  with pytest.raises(errors.UserError, match='cpu_devices'):
+    sharding.cpu_device_count(_device_config(cpu_devices=-1), 2)
+
+
+def test_use_cpu_devices_leaves_a_set_device_count_alone(monkeypatch):
+  # The suite sets the host device count in XLA_FLAGS (conftest), and once JAX has started the
+  # count cannot change: either keeps it as it is.
+  assert len(jax.devices()) == 8   # starts the backends if no test did yet
+  assert sharding.use_cpu_devices(_device_config()) is None
+  monkeypatch.setenv('XLA_FLAGS', '')
+  assert sharding.use_cpu_devices(_device_config()) is None
+  assert len(jax.devices()) == 8
