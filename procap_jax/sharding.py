@@ -189,6 +189,29 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
   return out
 
 
+def place_eval_batch(tree: Any, config) -> Any:
+  """Host arrays of an evaluation batch, rows split over the mesh's 'data' axis.
+
+  Parameters replicated over several devices make a jitted function whose other inputs are
+  host arrays run whole on every device (each device computing every row); rows split like a
+  train step's batch make each device compute its share. Arrays whose rows the axis does not
+  divide, scalars, and every array under several processes (each evaluates whole batches)
+  stay as they are.
+  """
+  if jax.device_count() == 1 or jax.process_count() > 1:
+    return tree
+  mesh = mesh_from_config(config)
+  rows = mesh.shape['data']
+
+  def place(v):
+    v = np.asarray(v)
+    if v.ndim == 0 or v.shape[0] % rows:
+      return v
+    return jax.device_put(v, batch_sharding(mesh, v.ndim))
+
+  return jax.tree.map(place, tree)
+
+
 def unbox(tree: Any) -> Any:
   return nn.meta.unbox(tree)
 

@@ -107,3 +107,19 @@ def test_use_cpu_devices_leaves_a_set_device_count_alone(monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', '')
   assert sharding.use_cpu_devices(_device_config()) is None
   assert len(jax.devices()) == 8
+
+
+def test_place_eval_batch_splits_the_rows_the_data_axis_divides():
+  import numpy as np
+  config = _device_config()   # mesh (data=-1, model=1): 8 rows of devices here
+  batch = {'frames': np.arange(16 * 3, dtype=np.float32).reshape(16, 3),
+           'odd': np.zeros((6, 2), np.float32), 'scalar': np.float32(1.0)}
+  placed = sharding.place_eval_batch(batch, config)
+  assert placed['frames'].sharding.spec[0] == 'data'
+  assert len(placed['frames'].sharding.device_set) == 8
+  np.testing.assert_array_equal(np.asarray(placed['frames']), batch['frames'])
+  assert isinstance(placed['odd'], np.ndarray) and isinstance(placed['scalar'], np.ndarray)
+  # A function of replicated parameters and the placed rows gives the host rows' values.
+  w = jax.device_put(jnp.ones((3, 4)), sharding.replicated(sharding.mesh_from_config(config)))
+  f = jax.jit(lambda w, x: x @ w)
+  np.testing.assert_allclose(np.asarray(f(w, placed['frames'])), batch['frames'] @ np.ones((3, 4)))

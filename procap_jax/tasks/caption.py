@@ -30,6 +30,7 @@ import numpy as np
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax import evaluation
+from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
 from procap_jax.data import feature_cache
@@ -246,6 +247,7 @@ def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, mo
   d = config.caption.decoding
   pair = ({'before': before, 'after': after} if keyframe_features is None
           else {encodings.CACHED: keyframe_features})
+  pair = sharding.place_eval_batch(pair, config)
   return np.asarray(_generate(
       nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
       tokenizer=tokenizer or vqgan_tokenizer(config), method=d.method,

@@ -32,6 +32,7 @@ import optax
 
 from procap_jax import checkpointing
 from procap_jax import config_lib
+from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
@@ -354,8 +355,8 @@ def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.
   totals = {k: 0.0 for k in SUM_KEYS}
   for i, batch in enumerate(batches):
     rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), i)
-    sums = _statistics_jit(params, tokenizer_params,
-                           {k: batch[k] for k in _EVAL_KEYS if k in batch}, rng,
+    inputs = sharding.place_eval_batch({k: batch[k] for k in _EVAL_KEYS if k in batch}, config)
+    sums = _statistics_jit(params, tokenizer_params, inputs, rng,
                            config=frozen, model=model, tokenizer=tokenizer)
     for k, v in jax.device_get(sums).items():
       totals[k] += float(v)

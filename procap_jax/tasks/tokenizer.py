@@ -55,6 +55,7 @@ import optax
 from PIL import Image
 
 from procap_jax import errors
+from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
 from procap_jax.models import vqgan
@@ -356,7 +357,8 @@ def evaluate(state: train.TrainState, constants: Any, config: ml_collections.Con
     b, t = keyframes.shape[:2]
     frames = keyframes.reshape((b * t,) + keyframes.shape[2:])  # [B*T, S, S, 3]
     valid = np.repeat(np.asarray(batch['valid'], bool), t)  # [B*T]
-    rec, indices = jax.device_get(_reconstruct(model, params, frames))
+    rec, indices = jax.device_get(
+        _reconstruct(model, params, sharding.place_eval_batch(frames, config)))
     x = frames[valid].astype(np.float32) / 255.0
     rec = np.asarray(rec, np.float32)[valid]
     mse = np.mean((rec - x) ** 2, axis=(1, 2, 3))  # [F]
