@@ -39,10 +39,6 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
     return config
 
   # Paper size (spec section 9): 224 px, VQGAN f16 with 1024 codes of 256, encoder 768 wide.
-  # One device on a CPU host: one device per core was measured on the synthetic presets only,
-  # and it holds a copy of the (here large) parameters and optimizer state per device; the
-  # memory figures of docs/performance.md are one device's. Accelerators ignore the key.
-  config.mesh.cpu_devices = 1
   d.builder_config = 'paper'
   d.image_size = 224
   d.encoder_text = 'clip_bpe'                    # the original's stage-1 text (spec 1.6)

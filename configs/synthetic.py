@@ -256,9 +256,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.tokenizer = _tokenizer(base)
   config.pretrain = _pretrain(base)
   config.caption = _caption(base)
-  # cpu_devices: a CPU-only host runs as this many devices (0: one per core; procap_jax.sharding
-  # .cpu_device_count); accelerators ignore it.
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, cpu_devices=0))
+  # cpu_devices: a CPU-only host runs as this many devices; accelerators ignore it. 0 = one per
+  # core (procap_jax.sharding.cpu_device_count), data-parallel: about a quarter less time per
+  # step on 2 cores, the same computation rounded differently, and on seed 0 a default run whose
+  # stage 2 did not leave the one-sentence plateau (docs/performance.md, "One device per core").
+  # 1 keeps every documented result reproducible.
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, cpu_devices=1))
   config.sharding = ml_collections.ConfigDict(dict(rules=(
       ('batch', 'data'), ('embed', None), ('mlp', 'model'), ('heads', 'model'),
       ('vocab', 'model'), ('codebook', None), ('conv_in', None), ('conv_out', 'model'),
