@@ -57,7 +57,7 @@ def _maybe_init_distributed() -> None:
 
 @errors.exit_on_user_error
 def _use_cpu_devices(config) -> None:
-  """`config.mesh.cpu_devices` (one device per core by default) before JAX starts."""
+  """Applies `config.mesh.cpu_devices` (1 by default; 0 = one device per core) before JAX starts."""
   from procap_jax import sharding
   n = sharding.use_cpu_devices(config)
   if n is not None and n > 1:
