@@ -84,7 +84,8 @@ def use_cpu_devices(config) -> int | None:
   if xla_bridge.backends_are_initialized():
     return None
   n = cpu_device_count(config, available_cores())
-  jax.config.update('jax_num_cpu_devices', n)
+  if n > 1:   # 1 is JAX's own default: its CPU client is then set up exactly as without this
+    jax.config.update('jax_num_cpu_devices', n)
   return n
 
 
