@@ -68,6 +68,16 @@ def cpu_device_count(config, cores: int) -> int:
   return n
 
 
+def _backends_started() -> bool:
+  """Whether JAX has created its backends (JAX has no public test for it; a JAX without this
+  private one is taken as not started, which is the case at the start of a command)."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):
+    return False
+
+
 def use_cpu_devices(config) -> int | None:
   """Splits the host CPU into `cpu_device_count` devices for this process (before JAX starts).
 
@@ -80,8 +90,7 @@ def use_cpu_devices(config) -> int | None:
   """
   if 'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', ''):
     return None
-  from jax._src import xla_bridge  # no public test for "backends started" in this JAX
-  if xla_bridge.backends_are_initialized():
+  if _backends_started():
     return None
   n = cpu_device_count(config, available_cores())
   if n > 1:   # 1 is JAX's own default: its CPU client is then set up exactly as without this
