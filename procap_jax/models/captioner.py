@@ -27,6 +27,7 @@ from procap_jax import config_lib
 from procap_jax import decoding
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import decoder as decoder_lib
+from procap_jax.models import layers
 from procap_jax.models import procedure_encoder
 
 
@@ -40,10 +41,12 @@ class MemoryMLP(nn.Module):
     """x [B, M, D] -> [B, M, H] float32."""
     width = x.shape[-1]
     x = nn.Dense(width, dtype=self.dtype, name='dense_0',
+                 dot_general=layers.dense_dot_general(self.dtype),
                  kernel_init=decoder_lib.torch_kernel_init(('embed', 'mlp')),
                  bias_init=decoder_lib.torch_bias_init(width, ('mlp',)))(x)
     x = nn.relu(x)
     x = nn.Dense(self.hidden, dtype=self.dtype, name='dense_1',
+                 dot_general=layers.dense_dot_general(self.dtype),
                  kernel_init=decoder_lib.torch_kernel_init(('mlp', 'embed')),
                  bias_init=decoder_lib.torch_bias_init(width, ('embed',)))(x)
     return decoder_lib.DecoderLayerNorm('standard', name='norm')(x)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from procap_jax.models import layers
+
 _NEG = -1e10  # the original subtracts 1e10 on masked (future) positions
 
 
@@ -111,12 +113,14 @@ class Attention(nn.Module):
       raise ValueError(f'decoder width {self.hidden} is not divisible by {self.heads} heads')
     dense = functools.partial(
         nn.Dense, self.hidden, use_bias=self.use_bias, dtype=self.dtype,
+        dot_general=layers.dense_dot_general(self.dtype),
         bias_init=torch_bias_init(self.hidden, ('heads',)),
         kernel_init=torch_kernel_init(('embed', 'heads')))
     self.query = dense()
     self.key = dense()
     self.value = dense()
     self.out = nn.Dense(self.hidden, use_bias=self.use_bias, dtype=self.dtype,
+                        dot_general=layers.dense_dot_general(self.dtype),
                         kernel_init=torch_kernel_init(('heads', 'embed')),
                         bias_init=torch_bias_init(self.hidden, ('embed',)))
     self.weights_dropout = nn.Dropout(self.dropout)
@@ -144,12 +148,19 @@ class Attention(nn.Module):
       raise ValueError(f'unknown attention_scale {self.scale!r}')
     width = self.hidden if self.scale == 'd_model' else self.hidden // self.heads
     q = self._split(self.query(x))  # [B, Lq, N_h, D_h]
-    scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+    if q.dtype == jnp.float32:
+      scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+    else:
+      scores = layers.accumulating_einsum('bqhd,bkhd->bhqk', q, k)  # [B, N_h, Lq, S] float32
     if mask is not None:
       scores = jnp.where(mask, scores, _NEG)
     weights = jax.nn.softmax(scores / math.sqrt(width), axis=-1)  # [B, N_h, Lq, S]
     weights = self.weights_dropout(weights, deterministic=deterministic)
-    out = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype), v)  # [B, Lq, N_h, D_h]
+    if v.dtype == jnp.float32:
+      out = jnp.einsum('bhqk,bkhd->bqhd', weights, v)  # [B, Lq, N_h, D_h]
+    else:
+      out = layers.accumulating_einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype),
+                                       v).astype(v.dtype)
     b, lq = out.shape[:2]
     return self.out(out.reshape(b, lq, self.hidden))  # [B, Lq, H]
 
@@ -180,9 +191,11 @@ class DecoderLayer(nn.Module):
     self.norm_cross = DecoderLayerNorm(self.layernorm)
     self.norm_ffn = DecoderLayerNorm(self.layernorm)
     self.ffn_in = nn.Dense(self.ffn, dtype=self.dtype,
+                           dot_general=layers.dense_dot_general(self.dtype),
                            kernel_init=torch_kernel_init(('embed', 'mlp')),
                            bias_init=torch_bias_init(self.hidden, ('mlp',)))
     self.ffn_out = nn.Dense(self.hidden, dtype=self.dtype,
+                            dot_general=layers.dense_dot_general(self.dtype),
                             kernel_init=torch_kernel_init(('mlp', 'embed')),
                             bias_init=torch_bias_init(self.ffn, ('embed',)))
     self.residual_dropout = nn.Dropout(self.dropout)
@@ -243,8 +256,13 @@ class TiedOutput(nn.Module):
 
   def __call__(self, h: jax.Array) -> jax.Array:
     """h [..., H] -> logits [..., V] in float32."""
-    logits = jnp.dot(h.astype(self.dtype), self.kernel.astype(self.dtype),
-                     preferred_element_type=jnp.float32)
+    if jnp.dtype(self.dtype) == jnp.float32:
+      logits = jnp.dot(h.astype(self.dtype), self.kernel.astype(self.dtype),
+                       preferred_element_type=jnp.float32)
+    else:
+      lead = 'abcdefg'[:h.ndim - 1]
+      logits = layers.accumulating_einsum(f'{lead}h,hv->{lead}v', h.astype(self.dtype),
+                                          self.kernel.astype(self.dtype))
     return logits + self.bias
 
 
