@@ -26,7 +26,10 @@ ships it) and without, ours; the original's inference, ours.
   - ours: `python -m bench.train_step` (stage pretrain at batch 8, stage caption at batch 32
     pairs; each also with `--feature_cache on`, the step as it runs on the tokenizer feature
     cache built once after stage 0: stage 1 encodes only the frames a corruption changed, stage
-    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`) and
+    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`; and with
+    `--dtype bfloat16`, config.compute_dtype: the encoder's and decoder's matmuls take bfloat16
+    operands accumulated in float32, the frozen tokenizer stays float32; rows `*:bf16`,
+    `*:cached+bf16`, ratios `*_bf16`) and
     `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
     Python with procap_jax; torch never enters that process), XLA on all cores, from
     `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
@@ -256,16 +259,19 @@ def _original(opts, what: str) -> dict:
 def _ours(opts, what: str, versions: dict) -> dict:
   size = SIZES[opts.size]
   sets = [f'--set={s}' for s in size['overrides']]
-  if what == 'infer':
+  base, _, variant = what.partition(':')
+  variants = set(variant.split('+')) - {''}
+  if 'bf16' in variants:  # bfloat16 matmuls accumulated in float32 (config.compute_dtype)
+    sets.append('--dtype=bfloat16')
+  if base == 'infer':
     cmd = ['-m', 'bench.caption_speed', '--config', size['config'], '--batch',
            str(BATCH['infer']), '--repeats', str(opts.steps), *sets]
   else:
-    base, _, variant = what.partition(':')
     stage, batch = ('pretrain', BATCH['stage1']) if base == 'stage1' else (
         'caption', 2 * BATCH['stage2'])
     cmd = ['-m', 'bench.train_step', '--config', size['config'], '--stage', stage, '--batch',
            str(batch), '--steps', str(opts.steps), *sets]
-    if variant == 'cached':  # the tokenizer feature cache (data.feature_cache): no image encodes
+    if 'cached' in variants:  # the tokenizer feature cache (data.feature_cache): no image encodes
       cmd += ['--feature_cache', 'on']
   records, error = _run([opts.ours_python, *cmd], opts.timeout, opts.ours_tree)
   rec = records[-1] if records else {}
@@ -275,7 +281,7 @@ def _ours(opts, what: str, versions: dict) -> dict:
     out['error'] = error or rec['error']
     return out
   out['peak_gib'] = rec.get('peak_rss_gib')
-  if what == 'infer':
+  if base == 'infer':
     out.update(step_s=rec['batch_s'], tps=rec['tps'], first_call_s=rec['first_call_s'])
   else:
     out.update(step_s=rec['step_s'], first_step_s=rec['first_step_s'],
@@ -294,11 +300,13 @@ def _cpu_model() -> str:
   return 'unknown'
 
 
-PLAN = (  # (side, what, batch as the original counts it, pair or sample forwards per step)
+PLAN = (  # (side, what, batch as the original counts it); what = row[:variant[+variant]]
     ('original', 'stage1', 8), ('ours', 'stage1', 8), ('ours', 'stage1:cached', 8),
+    ('ours', 'stage1:bf16', 8), ('ours', 'stage1:cached+bf16', 8),
     ('original', 'stage2:anomaly', 32), ('original', 'stage2', 32), ('ours', 'stage2', 32),
-    ('ours', 'stage2:cached', 32),
-    ('original', 'infer', 32), ('ours', 'infer', 32),
+    ('ours', 'stage2:cached', 32), ('ours', 'stage2:bf16', 32),
+    ('ours', 'stage2:cached+bf16', 32),
+    ('original', 'infer', 32), ('ours', 'infer', 32), ('ours', 'infer:bf16', 32),
 )
 
 
@@ -312,6 +320,8 @@ def drive(opts) -> None:
   for r in range(opts.rounds):
     for side, what, batch in PLAN:
       if opts.only and what.split(':')[0] not in opts.only.split(','):
+        continue
+      if what in opts.skip.split(','):
         continue
       t0 = time.time()
       rec = _original(opts, what) if side == 'original' else _ours(opts, what, versions)
@@ -336,7 +346,12 @@ def _ratios(results: list[dict]) -> dict:
                            ('stage2_anomaly', 'stage2:anomaly', 'stage2'),
                            ('stage2', 'stage2', 'stage2'),
                            ('stage2_cached', 'stage2', 'stage2:cached'),
-                           ('infer', 'infer', 'infer')):
+                           ('infer', 'infer', 'infer'),
+                           ('stage1_bf16', 'stage1', 'stage1:bf16'),
+                           ('stage1_cached_bf16', 'stage1', 'stage1:cached+bf16'),
+                           ('stage2_bf16', 'stage2', 'stage2:bf16'),
+                           ('stage2_cached_bf16', 'stage2', 'stage2:cached+bf16'),
+                           ('infer_bf16', 'infer', 'infer:bf16')):
     a, b = median('original', what), median('ours', ours)
     out[name] = round(a / b, 2) if a and b else None
   return out
@@ -361,6 +376,8 @@ def main():
                       help="the original's micro-batch for every measurement (default per "
                       'size and measurement)')
   parser.add_argument('--only', default='', help='comma-separated: stage1,stage2,infer')
+  parser.add_argument('--skip', default='',
+                      help='comma-separated rows to leave out, e.g. stage2:anomaly,stage1:cached')
   parser.add_argument('--timeout', type=float, default=4 * 3600)
   parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
   opts = parser.parse_args()
