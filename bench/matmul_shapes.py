@@ -3,6 +3,7 @@ against torch, in one run on one machine.
 
   python -m bench.matmul_shapes                               # XLA only
   python -m bench.matmul_shapes --torch_python PY             # and torch (PY: a Python with torch)
+  python -m bench.matmul_shapes --bf16                        # XLA also with bfloat16 operands
 
 Why: at paper size our stage-1 step is slower than the original's although both do the same
 FLOPs (docs/performance.md, "Against the original"); this separates the matmul library from
@@ -38,25 +39,36 @@ def _flops(b, m, k, n) -> float:
   return 2.0 * (b or 1) * m * k * n
 
 
-def _record(backend: str, name: str, fn, repeats: int) -> dict:
+def _record(backend: str, name: str, fn, repeats: int, precision: str = 'f32') -> dict:
   """Times `fn()` (which must block) `repeats` times after one warm-up call."""
   times = timing.time_all(fn, warmup=1, repeats=repeats)
   seconds = statistics.median(times)
-  return dict(backend=backend, shape=name, seconds=seconds,
+  return dict(backend=backend, shape=name, precision=precision, seconds=seconds,
               gflops=_flops(*SHAPES[name]) / seconds / 1e9)
 
 
-def run_xla(repeats: int) -> list[dict]:
+def run_xla(repeats: int, bf16: bool = False) -> list[dict]:
+  """f32; with `bf16` also bf16 operands with a bf16 result (jnp.matmul, what a plain bf16
+  Dense asks for) and with a float32 result (procap_jax's accumulating products)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
   f = jax.jit(jnp.matmul)
+  accumulating = jax.jit(lambda x, w: layers.accumulating_einsum('bmk,bkn->bmn', x, w)
+                         if x.ndim == 3 else layers.accumulating_dot_general(
+                             x, w, (((1,), (0,)), ((), ()))))
+  variants = [('f32', jnp.float32, f)]
+  if bf16:
+    variants += [('bf16->bf16', jnp.bfloat16, f),
+                 ('bf16->f32 (ours)', jnp.bfloat16, accumulating)]
   out = []
   for name, (b, m, k, n) in SHAPES.items():
     key = jax.random.PRNGKey(0)
     lead = (b,) if b else ()
-    x = jax.random.normal(key, lead + (m, k), jnp.float32)
-    w = jax.random.normal(key, lead + (k, n), jnp.float32)
-    out.append(_record('xla', name, lambda: f(x, w).block_until_ready(), repeats))
+    for precision, dtype, fn in variants:
+      x = jax.random.normal(key, lead + (m, k), jnp.float32).astype(dtype)
+      w = jax.random.normal(key, lead + (k, n), jnp.float32).astype(dtype)
+      out.append(_record('xla', name, lambda: fn(x, w).block_until_ready(), repeats, precision))
   return out
 
 
@@ -78,10 +90,12 @@ def main():
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--torch_python', default='', help='a Python with torch (optional)')
   parser.add_argument('--threads', type=int, default=os.cpu_count())
+  parser.add_argument('--bf16', action='store_true',
+                      help='XLA also with bfloat16 operands (bf16 and float32 results)')
   parser.add_argument('--child', default='', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    records = (run_xla(args.repeats) if args.child == 'xla'
+    records = (run_xla(args.repeats, args.bf16) if args.child == 'xla'
                else run_torch(args.repeats, args.threads))
     for r in records:
       print(json.dumps(r), flush=True)
@@ -95,8 +109,10 @@ def main():
     if flags:
       env['XLA_FLAGS'] = ' '.join(f for f in (os.environ.get('XLA_FLAGS', ''), flags) if f)
     child = 'torch' if label == 'torch' else 'xla'
+    extra = ['--bf16'] if args.bf16 and label == 'xla' else []
     proc = subprocess.run([python, '-m', 'bench.matmul_shapes', '--child', child, '--repeats',
-                           str(args.repeats), '--threads', str(args.threads)], cwd=here, env=env,
+                           str(args.repeats), '--threads', str(args.threads), *extra], cwd=here,
+                          env=env,
                           capture_output=True, text=True, check=False)
     if proc.returncode:
       print(json.dumps(dict(variant=label, error=proc.stderr.strip().splitlines()[-1:])))
