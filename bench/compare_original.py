@@ -321,7 +321,7 @@ def drive(opts) -> None:
     for side, what, batch in PLAN:
       if opts.only and what.split(':')[0] not in opts.only.split(','):
         continue
-      if what in opts.skip.split(','):
+      if what in opts.skip.split(',') or f'{side}/{what}' in opts.skip.split(','):
         continue
       t0 = time.time()
       rec = _original(opts, what) if side == 'original' else _ours(opts, what, versions)
@@ -377,7 +377,8 @@ def main():
                       'size and measurement)')
   parser.add_argument('--only', default='', help='comma-separated: stage1,stage2,infer')
   parser.add_argument('--skip', default='',
-                      help='comma-separated rows to leave out, e.g. stage2:anomaly,stage1:cached')
+                      help='comma-separated rows to leave out, e.g. stage2:anomaly,ours/stage1 '
+                      '(what, both sides; side/what, one side)')
   parser.add_argument('--timeout', type=float, default=4 * 3600)
   parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
   opts = parser.parse_args()
