@@ -3,7 +3,8 @@ against torch, in one run on one machine.
 
   python -m bench.matmul_shapes                               # XLA only
   python -m bench.matmul_shapes --torch_python PY             # and torch (PY: a Python with torch)
-  python -m bench.matmul_shapes --bf16                        # XLA also with bfloat16 operands
+  python -m bench.matmul_shapes --bf16                        # XLA also with bfloat16 operands,
+                                                              # and the VQGAN's 3 x 3 convolutions
 
 Why: at paper size our stage-1 step is slower than the original's although both do the same
 FLOPs (docs/performance.md, "Against the original"); this separates the matmul library from
@@ -72,6 +73,36 @@ def run_xla(repeats: int, bf16: bool = False) -> list[dict]:
   return out
 
 
+CONVS = {  # name -> (batch, size, channels): 3 x 3 'SAME' convolutions of the paper VQGAN
+    'conv3x3 8x224x224x128': (8, 224, 128),
+    'conv3x3 8x56x56x256': (8, 56, 256),
+    'conv3x3 16x64x64x32': (16, 64, 32),
+}
+
+
+def run_xla_convs(repeats: int) -> list[dict]:
+  """The tokenizer's 3 x 3 convolutions, f32 and bf16 operands with a float32 result."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), 'SAME',
+                                        dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+                                        preferred_element_type=jnp.float32)
+  f = jax.jit(conv)
+  out = []
+  for name, (b, size, c) in CONVS.items():
+    key = jax.random.PRNGKey(0)
+    for precision, dtype in (('f32', jnp.float32), ('bf16->f32', jnp.bfloat16)):
+      x = jax.random.normal(key, (b, size, size, c), jnp.float32).astype(dtype)
+      w = jax.random.normal(key, (3, 3, c, c), jnp.float32).astype(dtype)
+      times = timing.time_all(lambda: f(x, w).block_until_ready(), warmup=1, repeats=repeats)
+      seconds = statistics.median(times)
+      out.append(dict(backend='xla', shape=name, precision=precision, seconds=seconds,
+                      gflops=2.0 * b * size * size * c * c * 9 / seconds / 1e9))
+  return out
+
+
 def run_torch(repeats: int, threads: int) -> list[dict]:
   import torch  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(threads)
@@ -97,6 +128,8 @@ def main():
   if args.child:
     records = (run_xla(args.repeats, args.bf16) if args.child == 'xla'
                else run_torch(args.repeats, args.threads))
+    if args.child == 'xla' and args.bf16:
+      records += run_xla_convs(args.repeats)
     for r in records:
       print(json.dumps(r), flush=True)
     return
