@@ -4,8 +4,9 @@ r"""Side by side in one run: the original ProCap (PyTorch) against ours, steps a
   python bench/compare_original.py --original ORIG --size small --rounds 2 --steps 2
 
 ORIG: the original's source tree (read only). Run by hand with a Python that has torch and the
-original's small dependencies (never in CI); paper size takes an hour or more, small size about
-8 minutes a round. Every measurement is a fresh process, so its peak RSS (`getrusage`
+original's small dependencies (never in CI); paper size takes about two hours with every row
+(`--skip` leaves rows out: 80 minutes for 10 rows on a 2-core AMD EPYC), small size about 8
+minutes a round. Every measurement is a fresh process, so its peak RSS (`getrusage`
 high-water mark) is its own, and the two sides alternate within each round: the original's
 stage-1 step, ours; the original's stage-2 step with anomaly detection (as train_stage2.py
 ships it) and without, ours; the original's inference, ours.
