@@ -40,12 +40,15 @@ def _flops(b, m, k, n) -> float:
   return 2.0 * (b or 1) * m * k * n
 
 
-def _record(backend: str, name: str, fn, repeats: int, precision: str = 'f32') -> dict:
-  """Times `fn()` (which must block) `repeats` times after one warm-up call."""
+def _record(backend: str, name: str, fn, repeats: int, precision: str = 'f32',
+            flops: float | None = None) -> dict:
+  """Times `fn()` (which must block) `repeats` times after one warm-up call; `flops` defaults
+  to the matmul SHAPES[name]'s."""
   times = timing.time_all(fn, warmup=1, repeats=repeats)
   seconds = statistics.median(times)
+  flops = _flops(*SHAPES[name]) if flops is None else flops
   return dict(backend=backend, shape=name, precision=precision, seconds=seconds,
-              gflops=_flops(*SHAPES[name]) / seconds / 1e9)
+              gflops=flops / seconds / 1e9)
 
 
 def run_xla(repeats: int, bf16: bool = False) -> list[dict]:
@@ -96,10 +99,8 @@ def run_xla_convs(repeats: int) -> list[dict]:
     for precision, dtype in (('f32', jnp.float32), ('bf16->f32', jnp.bfloat16)):
       x = jax.random.normal(key, (b, size, size, c), jnp.float32).astype(dtype)
       w = jax.random.normal(key, (3, 3, c, c), jnp.float32).astype(dtype)
-      times = timing.time_all(lambda: f(x, w).block_until_ready(), warmup=1, repeats=repeats)
-      seconds = statistics.median(times)
-      out.append(dict(backend='xla', shape=name, precision=precision, seconds=seconds,
-                      gflops=2.0 * b * size * size * c * c * 9 / seconds / 1e9))
+      out.append(_record('xla', name, lambda: f(x, w).block_until_ready(), repeats, precision,
+                         flops=2.0 * b * size * size * c * c * 9))
   return out
 
 
