@@ -153,7 +153,7 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
   if _has_loops(config, stage):
     flops = _unlooped_flops(config_spec, stage, batch_size, dtype, overrides, cached)
     record['step_gflop'] = flops / 1e9 if flops else None
-    record['flops_from'] = 'the same step without scan_blocks / attention_chunk'
+    record['flops_from'] = 'the same step without its scan / attention loops'
   sec, best = float(np.median(times)), float(np.min(times))
   devices = jax.device_count()
   record.update({
@@ -214,10 +214,10 @@ def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | 
 
 
 def _has_loops(config, stage: str) -> bool:
-  """Whether the step runs the encoder blocks or attention chunks in XLA loops, whose bodies
-  XLA's cost analysis counts once instead of once per iteration."""
+  """Whether the step runs the encoder blocks or attention chunks / groups in XLA loops, whose
+  bodies XLA's cost analysis counts once instead of once per iteration."""
   m = config.pretrain.model
-  return stage != 'tokenizer' and bool(m.scan_blocks or m.attention_chunk)
+  return stage != 'tokenizer' and bool(m.scan_blocks or m.attention_chunk or m.attention_group)
 
 
 def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
@@ -225,7 +225,8 @@ def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
   """FLOPs of the same step compiled without the loops (same math, every iteration counted)."""
   config = load_config(config_spec, overrides)
   config.compute_dtype = dtype
-  config.pretrain.model.scan_blocks, config.pretrain.model.attention_chunk = False, 0
+  m = config.pretrain.model
+  m.scan_blocks, m.attention_chunk, m.attention_group = False, 0, 0
   step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
   return common.compiled_flops(step.lower(state, batch, constants, rng).compile())
 

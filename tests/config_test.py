@@ -102,7 +102,8 @@ def test_unknown_override_key_exits_nonzero(tmp_path):
 
 def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
   """A checkpoint saved before an entry was added to the schema still restores; a changed model
-  entry is named; memory-only entries (remat, scan_blocks, attention_chunk) are not compared."""
+  entry is named; memory-only entries (remat, scan_blocks, attention_chunk, attention_group)
+  are not compared."""
   from procap_jax import checkpointing
   config = synthetic.get_config('tiny')
   saved = config.to_dict()
@@ -113,6 +114,7 @@ def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
   config.pretrain.model.remat = True
   config.pretrain.model.scan_blocks = True
   config.pretrain.model.attention_chunk = 64
+  config.pretrain.model.attention_group = 4
   diffs = checkpointing.config_differences(saved, config, 'pretrain')
   assert len(diffs) == 1 and 'pretrain.model.width' in diffs[0], diffs
   del saved['pretrain']['model']

@@ -92,13 +92,14 @@ def test_accumulating_einsum_rejects_an_index_summed_in_one_operand():
     layers.accumulating_einsum('ij,jk->k', jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16))
 
 
-@pytest.mark.parametrize('chunk', [0, 3])
-def test_bfloat16_attention_tracks_float32_attention(chunk):
+@pytest.mark.parametrize('chunk,group', [(0, 0), (3, 0), (0, 2)])
+def test_bfloat16_attention_tracks_float32_attention(chunk, group):
   k1, k2 = jax.random.split(jax.random.key(2))
   x = jax.random.normal(k1, (2, 7, 16))
   mask = jnp.tril(jnp.ones((7, 7), bool))[None, None]
-  f32 = layers.MultiHeadAttention(16, 4, 0.2, 0.2, query_chunk=chunk)
-  b16 = layers.MultiHeadAttention(16, 4, 0.2, 0.2, dtype=BF16, query_chunk=chunk)
+  f32 = layers.MultiHeadAttention(16, 4, 0.2, 0.2, query_chunk=chunk, head_group=group)
+  b16 = layers.MultiHeadAttention(16, 4, 0.2, 0.2, dtype=BF16, query_chunk=chunk,
+                                  head_group=group)
   params = nn.meta.unbox(f32.init(k2, x, mask))
 
   def loss(model, params):

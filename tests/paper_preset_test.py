@@ -37,8 +37,7 @@ def _overrides() -> list[str]:
          '--config.pretrain.model.width=32', '--config.pretrain.model.depth=2',
          '--config.pretrain.model.heads=2', '--config.pretrain.model.grid=(4,4)',
          '--config.pretrain.model.feature_dim=16', '--config.pretrain.model.codebook_size=64',
-         # Chunked attention with more than one chunk (4 frames x 16 tokens + text).
-         '--config.pretrain.model.attention_chunk=32',
+         # The presets' attention, 2 (batch, head) pairs at a time: 2 x 2 pairs, two steps.
          '--config.caption.model.hidden=32', '--config.caption.model.heads=2',
          '--config.caption.model.ffn=64']
   for stage in ('tokenizer', 'pretrain', 'caption'):

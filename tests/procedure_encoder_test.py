@@ -269,13 +269,16 @@ def test_embedding_std_sets_every_embedding_table(std):
 
 @pytest.mark.parametrize('variant', [dict(remat=True), dict(attention_chunk=7),
                                      dict(scan_blocks=True),
-                                     dict(scan_blocks=True, attention_chunk=7)])
+                                     dict(scan_blocks=True, attention_chunk=7),
+                                     dict(attention_group=3),
+                                     dict(scan_blocks=True, attention_group=2)])
 def test_memory_variants_keep_parameters_values_and_gradients(variant):
   """`remat=True` recomputes block activations in the backward pass; `attention_chunk` computes
   attention for a few queries at a time (here 7, which does not divide the sequence, so the
   last chunk is padded); `scan_blocks` runs the blocks as a checkpointed scan over their
-  stacked parameters. Each gives the same parameter tree, outputs and gradients as the plain
-  encoder, with the [ST1]/[VID] mask rows intact."""
+  stacked parameters; `attention_group` computes attention for a few (batch, head) pairs at a
+  time (3 does not divide the 2 x 4 pairs, so 2 are used). Each gives the same parameter tree,
+  outputs and gradients as the plain encoder, with the [ST1]/[VID] mask rows intact."""
   kw = dict(KW, depth=2)
   plain, variant_model = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, **variant)
   text, feats, mask = _inputs()
@@ -305,6 +308,34 @@ def test_chunked_attention_matches_full_attention_with_a_mask():
   for chunk in (3, 5, 10, 16):
     np.testing.assert_allclose(layers.chunked_attention(q, k, v, mask, chunk, 0.3), full,
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('mask_shape', [None, (1, 1, 10, 10), (2, 1, 10, 10), (1, 3, 10, 10),
+                                        (2, 3, 10, 10), (10, 10)])
+def test_grouped_attention_matches_full_attention(mask_shape):
+  """layers.grouped_attention against jax.nn.dot_product_attention, values and gradients, for
+  masks shared by all pairs or differing by batch row and/or head (every row keeps a key), and
+  groups of 1, 2, 4 (-> 3: the largest divisor of the 6 pairs) and more pairs than exist."""
+  from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
+  kq, kk, kv, km, kg = jax.random.split(jax.random.PRNGKey(4), 5)
+  q, k, v = (jax.random.normal(r, (2, 10, 3, 4)) for r in (kq, kk, kv))
+  cot = jax.random.normal(kg, (2, 10, 3, 4))
+  mask = None
+  if mask_shape is not None:
+    mask = (jax.random.uniform(km, mask_shape) < 0.6).at[..., 0].set(True)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v) * cot)
+
+  full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=0.3)
+  want, want_g = jax.value_and_grad(loss(full), argnums=(0, 1, 2))(q, k, v)
+  for group in (1, 2, 4, 9):
+    grouped = lambda q, k, v, g=group: layers.grouped_attention(q, k, v, mask, g, 0.3)
+    np.testing.assert_allclose(grouped(q, k, v), full(q, k, v), rtol=1e-5, atol=1e-6)
+    got, got_g = jax.value_and_grad(loss(grouped), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _bce_trainer(logits, params):

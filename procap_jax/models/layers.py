@@ -26,6 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Dtype = Any
 Initializer = Any
@@ -292,6 +293,101 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
   return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, dh)[:, :s]  # [B, S, H, Dh]
 
 
+def _pairs_dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+  """[G, ., .] x [G, ., .] products batched over axis 0, contracting `contract`, f32 result."""
+  return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((0,), (0,))),
+                             preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _pairs_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                     scale: float) -> jax.Array:
+  """Softmax attention of G independent (batch, head) pairs: q [G, T, Dh], k and v [G, S, Dh],
+  mask bool [G | 1, T, S] or None -> [G, T, Dh] in v's dtype (products accumulated in f32)."""
+  return _pairs_attention_fwd(q, k, v, mask, scale)[0]
+
+
+def _pairs_attention_fwd(q, k, v, mask, scale):
+  logits = _pairs_dot(q, k, (2, 2)) * scale  # [G, T, S] float32
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [G, T, S]
+  out = _pairs_dot(probs, v, (2, 1))  # [G, T, Dh] float32
+  return out.astype(v.dtype), (q, k, v, mask, probs, out)
+
+
+def _pairs_attention_bwd(scale, residuals, g):
+  q, k, v, mask, probs, out = residuals
+  g = g.astype(v.dtype)  # [G, T, Dh]
+  d_v = _pairs_dot(probs, g, (1, 1))  # [G, S, Dh]
+  d_probs = _pairs_dot(g, v, (2, 2))  # [G, T, S]
+  # sum_s d_probs * probs = sum_h g * out: the softmax backward's row term from [G, T, Dh].
+  row = jnp.sum(g.astype(jnp.float32) * out, axis=-1, keepdims=True)  # [G, T, 1]
+  d_logits = (probs.astype(jnp.float32) * (d_probs - row) * scale).astype(q.dtype)  # [G, T, S]
+  d_q = _pairs_dot(d_logits, k, (2, 1))  # [G, T, Dh]
+  d_k = _pairs_dot(d_logits, q, (1, 1))  # [G, S, Dh]
+  d_mask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
+  return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask
+
+
+_pairs_attention.defvjp(_pairs_attention_fwd, _pairs_attention_bwd)
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                      group: int, scale: float) -> jax.Array:
+  """Softmax attention computed for `group` (batch, head) pairs at a time, each step
+  rematerialised.
+
+  The same values as `dot_product_attention`, arranged for a CPU's caches: one loop step
+  handles `group` [T, S] score matrices (2.6 MB each in float32 at T = S = 811), which stay in
+  cache from the scores product through the softmax to the value product, where the whole
+  [B, H, T, S] block makes every one of those passes through memory. Each step is
+  `jax.checkpoint`ed, so the backward pass recomputes one step's probabilities at a time; the
+  softmax's backward is written out (custom VJP) so it reuses the probabilities instead of
+  exponentiating again, and every product asks for a float32 result (the fast bfloat16 form on
+  XLA:CPU; `accumulating_einsum`).
+
+  Args:
+    q: [B, T, H, Dh] queries.
+    k, v: [B, S, H, Dh].
+    mask: bool broadcastable to [B, H, T, S] (True = may attend), or None.
+    group: pairs per step, > 0; the largest divisor of B * H not above it is used.
+    scale: score scale.
+
+  Returns:
+    [B, T, H, Dh] in v's dtype.
+  """
+  b, t, h, dh = q.shape
+  s = k.shape[1]
+  pairs = b * h
+  group = max(d for d in range(1, min(group, pairs) + 1) if pairs % d == 0)
+  steps = pairs // group
+
+  def by_pair(x):  # [B, L, H, Dh] -> [steps, group, L, Dh], pairs in (batch, head) order
+    return jnp.transpose(x, (0, 2, 1, 3)).reshape(steps, group, x.shape[1], dh)
+
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [b|1, h|1, t|1, s|1]
+    mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))  # [b|1, h|1, T, S]
+  shared = mask is None or mask.shape[:2] == (1, 1)
+
+  @jax.checkpoint
+  def one(args):
+    qg, kg, vg, first = args  # [group, T|S, Dh] x 3, index of the step's first pair
+    if shared:
+      mg = None if mask is None else mask[0]  # [1, T, S]
+    else:
+      idx = first + jnp.arange(group)  # [group] pair indices
+      mg = mask[idx // h if mask.shape[0] > 1 else 0, idx % h if mask.shape[1] > 1 else 0]
+      mg = mg.reshape(-1, t, s)  # [group | 1, T, S]
+    return _pairs_attention(qg, kg, vg, mg, scale)  # [group, T, Dh]
+
+  firsts = jnp.arange(steps) * group
+  out = jax.lax.map(one, (by_pair(q), by_pair(k), by_pair(v), firsts))  # [steps, group, T, Dh]
+  return jnp.transpose(out.reshape(b, h, t, dh), (0, 2, 1, 3))  # [B, T, H, Dh]
+
+
 class MultiHeadAttention(nn.Module):
   """torch.nn.MultiheadAttention (fused q/k/v in_proj with bias, out_proj with bias).
 
@@ -306,6 +402,10 @@ class MultiHeadAttention(nn.Module):
     query_chunk: 0 = one softmax over the full [S, S] score matrix; C > 0 = queries in chunks
       of C (`chunked_attention`), so only a [B, H, C, S] block of scores exists at a time, in
       the forward and, recomputed, in the backward pass. Same values and parameters.
+    head_group: 0 = as `query_chunk` says; G > 0 = attention for G (batch, head) pairs at a
+      time (`grouped_attention`): the score matrices stay in cache, about twice as fast on a
+      CPU as either form above, with a [G, S, S] block of scores alive at a time. Takes
+      precedence over `query_chunk`. Same values and parameters.
   """
   width: int
   heads: int
@@ -313,6 +413,7 @@ class MultiHeadAttention(nn.Module):
   out_std: float
   dtype: Dtype = jnp.float32
   query_chunk: int = 0
+  head_group: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -337,7 +438,9 @@ class MultiHeadAttention(nn.Module):
     q = q.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
     k = k.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
     v = v.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
-    if self.query_chunk and s > self.query_chunk:
+    if self.head_group:
+      out = grouped_attention(q, k, v, mask, self.head_group, dh ** -0.5)  # [B, S, H, Dh]
+    elif self.query_chunk and s > self.query_chunk:
       out = chunked_attention(q, k, v, mask, self.query_chunk, dh ** -0.5)  # [B, S, H, Dh]
     else:
       out = dot_product_attention(q, k, v, mask, dh ** -0.5)  # [B, S, H, Dh]
@@ -384,6 +487,7 @@ class ResidualAttentionBlock(nn.Module):
     depth: number of blocks in the stack (only scales the init).
     dtype: computation dtype.
     query_chunk: attention query chunk (MultiHeadAttention.query_chunk; 0 = unchunked).
+    head_group: attention (batch, head) pairs per step (MultiHeadAttention.head_group; 0 = off).
   """
   width: int
   heads: int
@@ -391,6 +495,7 @@ class ResidualAttentionBlock(nn.Module):
   depth: int = 1
   dtype: Dtype = jnp.float32
   query_chunk: int = 0
+  head_group: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -400,7 +505,7 @@ class ResidualAttentionBlock(nn.Module):
     fc_std = (2 * self.width) ** -0.5
     h = MultiHeadAttention(self.width, self.heads, in_std=attn_std, out_std=proj_std,
                            dtype=self.dtype, query_chunk=self.query_chunk,
-                           name='attn')(layer_norm(name='ln_1')(x), mask)
+                           head_group=self.head_group, name='attn')(layer_norm(name='ln_1')(x), mask)
     x = x + h.astype(x.dtype)
     h = Mlp(self.width, self.mlp_ratio * self.width, fc_std=fc_std, proj_std=proj_std,
             dtype=self.dtype, name='mlp')(layer_norm(name='ln_2')(x))
