@@ -25,11 +25,16 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from jax import ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 
 Dtype = Any
 Initializer = Any
+
+# checkpoint_name of MultiHeadAttention's output before out_proj: the encoder's checkpointed block
+# scan keeps it, so its backward recomputes no attention forward outside the attention's own loop.
+ATTENTION_OUTPUT = 'attention_output'
 
 
 def quick_gelu(x: jax.Array) -> jax.Array:
@@ -445,6 +450,7 @@ class MultiHeadAttention(nn.Module):
     else:
       out = dot_product_attention(q, k, v, mask, dh ** -0.5)  # [B, S, H, Dh]
     out = out.reshape(b, s, d)  # [B, S, D]
+    out = ad_checkpoint.checkpoint_name(out, ATTENTION_OUTPUT)
     return dense(d, ('heads', 'embed'), dtype=self.dtype,
                  kernel_init=nn.initializers.normal(self.out_std),
                  bias_init=nn.initializers.zeros, name='out_proj')(out)

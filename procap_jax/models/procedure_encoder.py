@@ -143,7 +143,7 @@ class ProcedureEncoder(nn.Module):
       schedules the recomputation early and saves no memory (docs/performance.md).
     scan_blocks: run the blocks as one `lax.scan` over their stacked parameters with each
       block `jax.checkpoint`ed, so the backward pass keeps only every block's input and
-      recomputes one block at a time inside the loop (where no scheduler can hoist the
+      attention output and recomputes one block at a time inside the loop (where no scheduler can hoist the
       recomputation, unlike `remat`). The parameters stay per block (`resblocks_<i>`, the
       original's layout); they are stacked on the fly. Same values; used after init.
     attention_chunk: 0 = full attention; C > 0 = attention queries in chunks of C, each
@@ -257,9 +257,14 @@ class ProcedureEncoder(nn.Module):
                                           self.dtype, self.attention_chunk,
                                           self.attention_group, parent=None)
 
-    @jax.checkpoint
     def body(h, params):
       return proto.apply({'params': params}, h, mask), None
+
+    # Keeping each block's attention output ([B, S, D]) spares the recomputed forward its
+    # attention (the attention's backward recomputes its own probabilities anyway): paper
+    # stage 1 at batch 2, bf16, about 9 % faster for 0.16 GiB (docs/performance.md).
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(
+        layers.ATTENTION_OUTPUT))
 
     x, _ = jax.lax.scan(body, x, stacked)
     return x
