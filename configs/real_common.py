@@ -64,7 +64,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # Memory and speed only (same values): the 12 blocks as a checkpointed scan, and attention
   # for 2 (batch, head) pairs at a time (their scores stay in cache: stage 1 about 1.2x faster
   # than attention in query chunks of 128, which bounded memory as well), take stage 1 at batch
-  # 8 from 28.8 GiB of compiled memory to about 4 (docs/performance.md).
+  # 8 from 27.3 to 3.7 GiB of compiled temporaries (docs/performance.md).
   p.scan_blocks, p.attention_chunk, p.attention_group = True, 0, 2
   p.embedding_std = 1.0                          # the original's N(0, 1) tables (4.1)
   p.frame_difference = 'none'                    # the original's frame tokens (fidelity.md)
