@@ -338,6 +338,13 @@ def test_grouped_attention_matches_full_attention(mask_shape):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_grouped_attention_rejects_a_group_below_one():
+  from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
+  x = jnp.ones((1, 4, 2, 3))
+  with pytest.raises(ValueError, match='positive number'):
+    layers.grouped_attention(x, x, x, None, 0, 1.0)
+
+
 def _bce_trainer(logits, params):
   """(Adam state, jitted step) for the learning tests: Adam with a 50-step linear warmup to 1e-3
   on BCE; step(params, opt, labels, *inputs) -> (params, opt), logits(params, *inputs)."""

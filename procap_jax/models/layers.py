@@ -362,6 +362,9 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
   Returns:
     [B, T, H, Dh] in v's dtype.
   """
+  if group < 1:
+    raise ValueError(f'attention group must be a positive number of (batch, head) pairs, '
+                     f'got {group}')
   b, t, h, dh = q.shape
   s = k.shape[1]
   pairs = b * h
@@ -408,8 +411,8 @@ class MultiHeadAttention(nn.Module):
       of C (`chunked_attention`), so only a [B, H, C, S] block of scores exists at a time, in
       the forward and, recomputed, in the backward pass. Same values and parameters.
     head_group: 0 = as `query_chunk` says; G > 0 = attention for G (batch, head) pairs at a
-      time (`grouped_attention`): the score matrices stay in cache, about twice as fast on a
-      CPU as either form above, with a [G, S, S] block of scores alive at a time. Takes
+      time (`grouped_attention`): the score matrices stay in cache, 1.4 to 2.5 times as fast
+      on a CPU as either form above, with a [G, S, S] block of scores alive at a time. Takes
       precedence over `query_chunk`. Same values and parameters.
   """
   width: int
