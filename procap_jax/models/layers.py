@@ -514,7 +514,8 @@ class ResidualAttentionBlock(nn.Module):
     fc_std = (2 * self.width) ** -0.5
     h = MultiHeadAttention(self.width, self.heads, in_std=attn_std, out_std=proj_std,
                            dtype=self.dtype, query_chunk=self.query_chunk,
-                           head_group=self.head_group, name='attn')(layer_norm(name='ln_1')(x), mask)
+                           head_group=self.head_group,
+                           name='attn')(layer_norm(name='ln_1')(x), mask)
     x = x + h.astype(x.dtype)
     h = Mlp(self.width, self.mlp_ratio * self.width, fc_std=fc_std, proj_std=proj_std,
             dtype=self.dtype, name='mlp')(layer_norm(name='ln_2')(x))
