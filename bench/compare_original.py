@@ -29,8 +29,9 @@ ships it) and without, ours; the original's inference, ours.
     cache built once after stage 0: stage 1 encodes only the frames a corruption changed, stage
     2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`; and with
     `--dtype bfloat16`, config.compute_dtype: the encoder's and decoder's matmuls take bfloat16
-    operands accumulated in float32, the frozen tokenizer stays float32; rows `*:bf16`,
-    `*:cached+bf16`, ratios `*_bf16`) and
+    operands accumulated in float32, and `tokenizer.frozen_dtype=bfloat16` since the commit
+    adding it (the frozen tokenizer's convolutions in bfloat16, 3x3 ones in row bands); rows
+    `*:bf16`, `*:cached+bf16`, ratios `*_bf16`) and
     `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
     Python with procap_jax; torch never enters that process), XLA on all cores, from
     `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
@@ -262,8 +263,9 @@ def _ours(opts, what: str, versions: dict) -> dict:
   sets = [f'--set={s}' for s in size['overrides']]
   base, _, variant = what.partition(':')
   variants = set(variant.split('+')) - {''}
-  if 'bf16' in variants:  # bfloat16 matmuls accumulated in float32 (config.compute_dtype)
-    sets.append('--dtype=bfloat16')
+  if 'bf16' in variants:  # bfloat16 matmuls accumulated in float32 (config.compute_dtype), and
+    sets.append('--dtype=bfloat16')  # the frozen tokenizer's convolutions in bfloat16
+    sets.append('--set=tokenizer.frozen_dtype=bfloat16')
   if base == 'infer':
     cmd = ['-m', 'bench.caption_speed', '--config', size['config'], '--batch',
            str(BATCH['infer']), '--repeats', str(opts.steps), *sets]

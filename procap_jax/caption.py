@@ -258,7 +258,7 @@ class Captioner:
           'vocabulary file the run was trained with')
     params, tokenizer_params, self.step = load_parameters(workdir, which, self.config, cache)
     model = _build_model(self.config)
-    tokenizer = vqgan.frozen(self.config.tokenizer.model)
+    tokenizer = vqgan.frozen_from_config(self.config)
     d = self.config.caption.decoding
     settings = dict(method=d.method, beam_size=int(d.beam_size), alpha=float(d.alpha),
                     max_len=int(self.config.caption.model.max_len))

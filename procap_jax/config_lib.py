@@ -20,6 +20,7 @@ _CHOICES = {
     'data.feature_cache_dtype': ('float32', 'float16'),
     'tokenizer.model.feature_input_scale': ('unit', 'signed'),
     'tokenizer.model.token_input_scale': ('unit', 'signed'),
+    'tokenizer.frozen_dtype': ('float32', 'bfloat16'),
     'pretrain.train.warmup': ('log', 'linear'),
     'caption.model.attention_scale': ('d_model', 'head_dim'),
     'caption.model.layernorm': ('unbiased_std', 'standard'),

@@ -243,3 +243,90 @@ def test_decode_tokens_rejects_non_square_grid():
   variables = _variables(model, 16)
   with pytest.raises(ValueError, match='square'):
     model.apply(variables, jnp.zeros((1, 15), jnp.int32), method='decode_tokens')
+
+
+# Channels enough for the bfloat16 row-band convolutions (3x3 with >= 32 input channels).
+WIDE = dict(TINY, ch=32, embed_dim=8)
+
+
+def _library_conv(x, kernel, strides=(1, 1), padding='SAME'):
+  return jax.lax.conv_general_dilated(x, kernel, strides, padding,
+                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+@pytest.mark.parametrize('shape,out', [((2, 12, 10, 32), 16), ((1, 7, 5, 40), 8)])
+def test_banded_conv3x3_matches_library_convolution(shape, out):
+  x = jax.random.normal(jax.random.key(0), shape)
+  kernel = jax.random.normal(jax.random.key(1), (3, 3, shape[-1], out)) / 10
+  ref = _library_conv(x, kernel)
+  scale = float(jnp.abs(ref).max())
+  for rows in [r for r in range(1, shape[1] + 1) if shape[1] % r == 0]:
+    got = vqgan._band_product(x, kernel, rows)
+    assert got.shape == ref.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, atol=1e-5 * scale, rtol=0)
+  loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))  # noqa: E731
+  grads = jax.grad(loss(vqgan.banded_conv3x3), (0, 1))(x, kernel)
+  ref_grads = jax.grad(loss(_library_conv), (0, 1))(x, kernel)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=1e-5 * float(jnp.abs(r).max()), rtol=0)
+
+
+def test_band_rows_is_the_largest_divisor_within_the_budget():
+  assert vqgan.band_rows(224, 224, 128, 2) == 8  # (8 + 2) x 224 x 384 x 2 bytes <= 2 MiB
+  assert vqgan.band_rows(14, 14, 512, 2) == 14
+  assert vqgan.band_rows(13, 13, 512, 2, budget=1) == 1  # nothing fits: one row at a time
+  assert vqgan.band_rows(12, 10, 32, 4, budget=(6 + 2) * 10 * 96 * 4) == 6
+
+
+def test_conv_general_dilated_routes_by_dtype_and_shape():
+  x = jax.random.normal(jax.random.key(0), (1, 8, 8, 32))
+  k3 = jax.random.normal(jax.random.key(1), (3, 3, 32, 16)) / 10
+  dims = jax.lax.conv_dimension_numbers(x.shape, k3.shape, ('NHWC', 'HWIO', 'NHWC'))
+
+  def ours(a, k, strides=(1, 1), padding='SAME'):
+    return vqgan.conv_general_dilated(a, k, strides, padding, dimension_numbers=dims)
+
+  # float32: the library convolution itself, bit for bit.
+  np.testing.assert_array_equal(ours(x, k3), _library_conv(x, k3))
+  xb, kb = x.astype(jnp.bfloat16), k3.astype(jnp.bfloat16)
+  # bfloat16 3x3 stride 1: the row bands (float32 sums of the bf16 operands, result bf16).
+  banded = ours(xb, kb)
+  assert banded.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(banded, vqgan.banded_conv3x3(xb, kb))
+  # other bfloat16 convolutions (here stride 2): the library's float32 form, result bf16.
+  strided = ours(xb, kb, (2, 2), 'VALID')
+  assert strided.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(strided, _library_conv(xb.astype(jnp.float32),
+                                                       kb.astype(jnp.float32), (2, 2),
+                                                       'VALID').astype(jnp.bfloat16))
+
+
+def test_bfloat16_frozen_tokenizer_tracks_float32():
+  x = _images(2, 16)
+  variables = _variables(vqgan.VQGAN(**WIDE), 16)
+  f32, b16 = vqgan.frozen(WIDE), vqgan.frozen(WIDE, 'bfloat16')
+  assert b16.model.dtype == jnp.bfloat16 and f32.model.dtype == jnp.float32
+  ref = f32.encode_features(variables['params'], x)
+  got = b16.encode_features(variables['params'], x)
+  assert got.dtype == jnp.float32
+  assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.03
+  codes = b16.encode_tokens(variables['params'], x)
+  assert codes.dtype == jnp.int32 and codes.shape == (2, 64)
+  # Training in bfloat16 differentiates through the bands (float32 library backward); the
+  # features' gradient, since a code flipped by rounding changes the quantised path.
+  def loss(model):
+    return lambda p: jnp.mean(jnp.sin(model.apply({'params': p}, x, method='encode_features')))
+
+  g16 = jax.grad(loss(vqgan.VQGAN(**WIDE, dtype=jnp.bfloat16)))(variables['params'])
+  g32 = jax.grad(loss(vqgan.VQGAN(**WIDE)))(variables['params'])
+  a, b = (jnp.concatenate([v.ravel() for v in jax.tree_util.tree_leaves(g)]) for g in (g16, g32))
+  assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.03
+
+
+def test_frozen_from_config_reads_the_frozen_dtype():
+  config = synthetic.get_config('tiny')
+  assert vqgan.frozen_from_config(config).model.dtype == jnp.float32
+  config.tokenizer.frozen_dtype = 'bfloat16'
+  assert vqgan.frozen_from_config(config).model.dtype == jnp.bfloat16
+  del config.tokenizer['frozen_dtype']  # a config saved before the entry existed
+  assert vqgan.frozen_from_config(config).model.dtype == jnp.float32

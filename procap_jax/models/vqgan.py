@@ -46,6 +46,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 CONV_AXES = (None, None, 'conv_in', 'conv_out')
 # PyTorch's default Conv2d initialisation (kaiming_uniform with a = sqrt(5)).
@@ -64,10 +65,116 @@ def num_groups(channels: int) -> int:
   return math.gcd(32, channels)
 
 
+# Bytes of one row band's gathered operand [R + 2, W, 3 C] in `banded_conv3x3`: about what stays
+# in the caches of the CPU this was measured on (docs/performance.md, "The tokenizer's
+# convolutions in row bands").
+BAND_BYTES = 2 * 2**20
+_NHWC = ('NHWC', 'HWIO', 'NHWC')
+
+
+def band_rows(height: int, width: int, channels: int, itemsize: int,
+              budget: int = BAND_BYTES) -> int:
+  """Rows per band: the largest divisor R of `height` whose [R + 2, width, 3 channels] operand
+  fits `budget` bytes (at least 1)."""
+  fit = budget // max(1, width * 3 * channels * itemsize) - 2
+  return max([r for r in range(1, height + 1) if height % r == 0 and r <= fit] or [1])
+
+
+def _side_by_side(parts: list[jax.Array]) -> jax.Array:
+  """Concatenates along the last axis; bfloat16 goes through its 16-bit pattern, since XLA:CPU
+  would otherwise convert the operands to float32 and back around the concatenation."""
+  if parts[0].dtype != jnp.bfloat16:
+    return jnp.concatenate(parts, axis=-1)
+  bits = [lax.bitcast_convert_type(p, jnp.uint16) for p in parts]
+  return lax.bitcast_convert_type(jnp.concatenate(bits, axis=-1), jnp.bfloat16)
+
+
+def _band_product(x: jax.Array, kernel: jax.Array, rows: int) -> jax.Array:
+  """3x3 'SAME' stride-1 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, H, W, O] as a
+  loop over `rows`-row bands of one image: each band lays its three column shifts side by side
+  ([R + 2, W, 3C], cache-sized) and sums three row-shifted products with the kernel's rows."""
+  b, h, w, c = x.shape
+  o = kernel.shape[-1]
+  xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # [B, H + 2, W + 2, C]
+  taps = kernel.reshape(3, 3 * c, o)  # row i: (column j, channel) -> out
+  bands = h // rows
+
+  def band(index):
+    part = lax.dynamic_slice(xp, (index // bands, (index % bands) * rows, 0, 0),
+                             (1, rows + 2, w + 2, c))[0]  # [R + 2, W + 2, C]
+    cols = _side_by_side([part[:, j:j + w] for j in range(3)])  # [R + 2, W, 3C]
+    out = None
+    for i in range(3):
+      term = lax.dot_general(cols[i:i + rows], taps[i], (((2,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, W, O]
+      out = term if out is None else out + term
+    return out
+
+  return lax.map(band, jnp.arange(b * bands)).reshape(b, h, w, o)
+
+
+@jax.custom_vjp
+def banded_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """The 3x3 'SAME' stride-1 NHWC convolution in row bands, result in x's dtype.
+
+  Same values as `lax.conv_general_dilated` up to the summation order, accumulated in float32.
+  On XLA:CPU it is faster than the library convolution for bfloat16 operands (which run no
+  faster than float32 there) and slower for float32 ones, so `conv_general_dilated` takes it for
+  bfloat16 only. The backward is the library convolution's, in float32."""
+  rows = band_rows(x.shape[1], x.shape[2], x.shape[3], x.dtype.itemsize)
+  return _band_product(x, kernel, rows).astype(x.dtype)
+
+
+def _library_conv3x3(x, kernel):
+  return lax.conv_general_dilated(x, kernel, (1, 1), 'SAME',
+                                  dimension_numbers=lax.conv_dimension_numbers(
+                                      x.shape, kernel.shape, _NHWC))
+
+
+def _banded_fwd(x, kernel):
+  return banded_conv3x3(x, kernel), (x, kernel)
+
+
+def _banded_bwd(saved, g):
+  x, kernel = saved  # the library's float32 form (its bfloat16 one is slower, see below)
+  grads = jax.vjp(_library_conv3x3, x.astype(jnp.float32), kernel.astype(jnp.float32))[1](
+      g.astype(jnp.float32))
+  return tuple(d.astype(v.dtype) for d, v in zip(grads, saved))
+
+
+banded_conv3x3.defvjp(_banded_fwd, _banded_bwd)
+
+
+def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                         dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+  """`lax.conv_general_dilated` for nn.Conv, with bfloat16 3x3 'SAME' stride-1 convolutions of
+  at least 32 input channels computed by `banded_conv3x3` and the other bfloat16 ones in float32
+  (on XLA:CPU the library's bfloat16 convolutions run slower than its float32 ones:
+  docs/performance.md, "The tokenizer's convolutions in row bands")."""
+  banded = (lhs.dtype == jnp.bfloat16 and lhs.ndim == 4 and rhs.shape[:2] == (3, 3)
+            and rhs.shape[2] >= 32 and tuple(window_strides) == (1, 1)
+            and padding in ('SAME', ((1, 1), (1, 1))) and tuple(lhs_dilation or (1, 1)) == (1, 1)
+            and tuple(rhs_dilation or (1, 1)) == (1, 1) and feature_group_count == 1
+            and not kwargs
+            and dimension_numbers == lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC))
+  if banded:
+    return banded_conv3x3(lhs, rhs)
+  if lhs.dtype == jnp.bfloat16:  # the library's bf16 convolutions run slower than its float32
+    return conv_general_dilated(lhs.astype(jnp.float32), rhs.astype(jnp.float32), window_strides,
+                                padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                                feature_group_count, precision, **kwargs).astype(lhs.dtype)
+  return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+                                  rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                                  feature_group_count=feature_group_count, precision=precision,
+                                  **kwargs)
+
+
 def conv(features: int, kernel: int, name: str, dtype: Any, strides: int = 1,
          padding: Any = 'SAME') -> nn.Conv:
-  """A taming Conv2d: NHWC, HWIO kernel with logical axes (None, None, conv_in, conv_out)."""
+  """A taming Conv2d: NHWC, HWIO kernel with logical axes (None, None, conv_in, conv_out);
+  bfloat16 3x3 convolutions run in row bands (`conv_general_dilated`)."""
   return nn.Conv(features, (kernel, kernel), strides=strides, padding=padding, dtype=dtype,
+                 conv_general_dilated=conv_general_dilated,
                  kernel_init=nn.with_logical_partitioning(_conv_init, CONV_AXES),
                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('conv_out',)),
                  name=name)
@@ -382,7 +489,16 @@ class Frozen:
     return self.model.apply({'params': params}, ids, method='decode_tokens')
 
 
-def frozen(model_config: Any) -> Frozen:
-  """The frozen tokenizer of `config.tokenizer.model` (lists from a JSON config become tuples)."""
+def frozen(model_config: Any, dtype: str = 'float32') -> Frozen:
+  """The frozen tokenizer of `config.tokenizer.model` (lists from a JSON config become tuples)
+  computing its convolutions in `dtype` ('float32' or 'bfloat16': `config.tokenizer.frozen_dtype`;
+  features and codes come out as float32 and int32 either way)."""
   items = model_config.to_dict() if hasattr(model_config, 'to_dict') else dict(model_config)
-  return Frozen(VQGAN(**{k: tuple(v) if isinstance(v, list) else v for k, v in items.items()}))
+  items = {k: tuple(v) if isinstance(v, list) else v for k, v in items.items()}
+  return Frozen(VQGAN(**items, dtype={'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[dtype]))
+
+
+def frozen_from_config(config: Any) -> Frozen:
+  """The frozen tokenizer stages 1 and 2 and the caption command run: `config.tokenizer.model` in
+  `config.tokenizer.frozen_dtype` (float32 for configs saved before that entry)."""
+  return frozen(config.tokenizer.model, config.tokenizer.get('frozen_dtype', 'float32'))

@@ -63,8 +63,9 @@ VQGANTokenizer = vqgan.Frozen
 
 
 def vqgan_tokenizer(config: ml_collections.ConfigDict) -> vqgan.Frozen:
-  """The real tokenizer: the frozen VQGAN(**config.tokenizer.model)."""
-  return vqgan.frozen(config.tokenizer.model)
+  """The real tokenizer: the frozen VQGAN(**config.tokenizer.model) in
+  config.tokenizer.frozen_dtype."""
+  return vqgan.frozen_from_config(config)
 
 
 # ----------------------------------------------------------------------------- model and state
