@@ -9,7 +9,8 @@ original's small dependencies (never in CI); paper size takes about two hours wi
 minutes a round. Every measurement is a fresh process, so its peak RSS (`getrusage`
 high-water mark) is its own, and the two sides alternate within each round: the original's
 stage-1 step, ours; the original's stage-2 step with anomaly detection (as train_stage2.py
-ships it) and without, ours; the original's inference, ours.
+ships it) and without, ours; the original's inference, ours; the original's image encode of
+the inference batch alone (its share of inference), ours.
   - original: this file with `--child <what>` under this Python: the modules of `--original`
     built by `bench.original` at `--size`, random weights, torch.set_num_threads(--threads).
     Stage 1 is train_stage1.py's step (three forwards, the weighted losses, backward, clip 1.0,
@@ -17,7 +18,8 @@ ships it) and without, ours; the original's inference, ours.
     no-change pairs, the summed loss, backward, clip 1.0, BertAdam in its four groups);
     inference is src/translator.py's greedy decode (encoder once, 24 full decoder passes, no
     no_grad: the original keeps autograd graphs) at the eval batch 32, timed as
-    src/translate.py times TPS (spec section 7: batch x 24 / (t1 - t0 + 1e-6), change half).
+    src/translate.py times TPS (spec section 7: batch x 24 / (t1 - t0 + 1e-6), change half);
+    `tokenizer` is the VQGAN encoder call of dalle_beit.py on that batch's 64 images.
     Where a batch does not fit in memory (`--micro`, defaults in SIZES: at paper size stage 1
     in micro-batches of 4, stage 2 of 4 + 4 pairs, inference of 8), the step accumulates the
     gradients of its micro-batches before one update (stage 2's summed loss makes that exact;
@@ -31,8 +33,9 @@ ships it) and without, ours; the original's inference, ours.
     `--dtype bfloat16`, config.compute_dtype: the encoder's and decoder's matmuls take bfloat16
     operands accumulated in float32, and `tokenizer.frozen_dtype=bfloat16` since the commit
     adding it (the frozen tokenizer's convolutions in bfloat16, 3x3 ones in row bands); rows
-    `*:bf16`, `*:cached+bf16`, ratios `*_bf16`) and
-    `python -m bench.caption_speed` (batch 32), run by `--ours_python` (the system
+    `*:bf16`, `*:cached+bf16`, ratios `*_bf16`), `python -m bench.caption_speed` (batch 32)
+    and `python -m bench.tokenizer_speed --skip_convs --images 64` (rows `tokenizer`,
+    `tokenizer:bf16`: the frozen tokenizer's `encode_features`), run by `--ours_python` (the system
     Python with procap_jax; torch never enters that process), XLA on all cores, from
     `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
     uncommitted edits out of the measurement). Their first step (compilation) is not timed.
@@ -63,7 +66,7 @@ SMALL_VQGAN = dict(ch=32, ch_mult=(1, 2, 4), num_res_blocks=1, attn_resolutions=
 SIZES = {  # the original's sizes and our config for the same model; micro: see the docstring
     'small': dict(vqgan=SMALL_VQGAN, width=64, depth=2, heads=4, frames=4, text_len=24,
                   text_vocab=80, hidden=64, dec_heads=4, ffn=256, layers=2, vocab=80,
-                  micro=dict(stage1=8, stage2=16, infer=32), warmup=1,
+                  micro=dict(stage1=8, stage2=16, infer=32, tokenizer=32), warmup=1,
                   config='configs/clevr_change.py:cpu',
                   overrides=('tokenizer.model.ch=32',  # taming's GroupNorm has 32 groups
                              'pretrain.model.frame_difference=none',
@@ -71,10 +74,11 @@ SIZES = {  # the original's sizes and our config for the same model; micro: see 
                              'pretrain.binary_inputs=masked')),
     'paper': dict(vqgan=original_lib.PAPER_VQGAN, width=768, depth=12, heads=12, frames=4,
                   text_len=24, text_vocab=49408, hidden=512, dec_heads=8, ffn=2048, layers=2,
-                  vocab=80, micro=dict(stage1=4, stage2=4, infer=8), warmup=0,
+                  vocab=80, micro=dict(stage1=4, stage2=4, infer=8, tokenizer=8), warmup=0,
                   config='configs/clevr_change.py:paper', overrides=()),
 }
-BATCH = dict(stage1=8, stage2=16, infer=32)  # train_stage1.sh, train_stage2 (x2 halves), eval
+BATCH = dict(stage1=8, stage2=16, infer=32, tokenizer=32)  # train_stage1.sh, train_stage2 (x2
+# halves), eval; tokenizer: the eval batch's image encode alone (2 x 32 images)
 MAX_T_LEN = 24
 
 
@@ -181,6 +185,19 @@ def _infer(opts, size, micro):
   return step
 
 
+def _tokenizer(opts, size, micro):
+  """The original's image encode in inference: `vae.model.encoder` (dalle_beit.py) on the eval
+  batch's before and after images (2 x 32), `micro` pairs at a time, autograd on as shipped."""
+  vae, torch = _build(opts, size)
+  b, s = BATCH['infer'], vae.image_size
+  images = torch.rand(2 * b, 3, s, s) * 2 - 1
+
+  def step():
+    for i in range(0, 2 * b, 2 * micro):
+      vae.model.encoder(images[i:i + 2 * micro])
+  return step
+
+
 def child(opts) -> dict:
   """One measurement of the original in this process; returns its record."""
   size = SIZES[opts.size]
@@ -190,6 +207,8 @@ def child(opts) -> dict:
     step = _stage1(opts, size, micro)
   elif what.startswith('stage2'):
     step = _stage2(opts, size, micro, anomaly=what == 'stage2:anomaly')
+  elif what == 'tokenizer':
+    step = _tokenizer(opts, size, micro)
   else:
     step = _infer(opts, size, micro)
   warmup = size['warmup'] if opts.original_warmup is None else opts.original_warmup
@@ -263,12 +282,16 @@ def _ours(opts, what: str, versions: dict) -> dict:
   sets = [f'--set={s}' for s in size['overrides']]
   base, _, variant = what.partition(':')
   variants = set(variant.split('+')) - {''}
-  if 'bf16' in variants:  # bfloat16 matmuls accumulated in float32 (config.compute_dtype), and
-    sets.append('--dtype=bfloat16')  # the frozen tokenizer's convolutions in bfloat16
-    sets.append('--set=tokenizer.frozen_dtype=bfloat16')
+  if 'bf16' in variants and base != 'tokenizer':  # bfloat16 matmuls accumulated in float32
+    sets.append('--dtype=bfloat16')  # (config.compute_dtype), and the frozen tokenizer's
+    sets.append('--set=tokenizer.frozen_dtype=bfloat16')  # convolutions in bfloat16
   if base == 'infer':
     cmd = ['-m', 'bench.caption_speed', '--config', size['config'], '--batch',
            str(BATCH['infer']), '--repeats', str(opts.steps), *sets]
+  elif base == 'tokenizer':
+    cmd = ['-m', 'bench.tokenizer_speed', '--config', size['config'], '--skip_convs',
+           '--images', str(2 * BATCH['tokenizer']), '--rounds', str(opts.steps),
+           '--frozen_dtypes', 'float32,bfloat16' if 'bf16' in variants else 'float32']
   else:
     stage, batch = ('pretrain', BATCH['stage1']) if base == 'stage1' else (
         'caption', 2 * BATCH['stage2'])
@@ -286,6 +309,9 @@ def _ours(opts, what: str, versions: dict) -> dict:
   out['peak_gib'] = rec.get('peak_rss_gib')
   if base == 'infer':
     out.update(step_s=rec['batch_s'], tps=rec['tps'], first_call_s=rec['first_call_s'])
+  elif base == 'tokenizer':  # the last line is the bf16 one when both ran
+    out.update(step_s=rec['step_s'], features_rel_diff=rec['features_rel_diff'],
+               codes_equal_fraction=rec['codes_equal_fraction'])
   else:
     out.update(step_s=rec['step_s'], first_step_s=rec['first_step_s'],
                compile_s=rec['compile_s'], mfu=rec.get('mfu'))
@@ -310,6 +336,7 @@ PLAN = (  # (side, what, batch as the original counts it); what = row[:variant[+
     ('ours', 'stage2:cached', 32), ('ours', 'stage2:bf16', 32),
     ('ours', 'stage2:cached+bf16', 32),
     ('original', 'infer', 32), ('ours', 'infer', 32), ('ours', 'infer:bf16', 32),
+    ('original', 'tokenizer', 64), ('ours', 'tokenizer', 64), ('ours', 'tokenizer:bf16', 64),
 )
 
 
@@ -354,7 +381,9 @@ def _ratios(results: list[dict]) -> dict:
                            ('stage1_cached_bf16', 'stage1', 'stage1:cached+bf16'),
                            ('stage2_bf16', 'stage2', 'stage2:bf16'),
                            ('stage2_cached_bf16', 'stage2', 'stage2:cached+bf16'),
-                           ('infer_bf16', 'infer', 'infer:bf16')):
+                           ('infer_bf16', 'infer', 'infer:bf16'),
+                           ('tokenizer', 'tokenizer', 'tokenizer'),
+                           ('tokenizer_bf16', 'tokenizer', 'tokenizer:bf16')):
     a, b = median('original', what), median('ours', ours)
     out[name] = round(a / b, 2) if a and b else None
   return out
@@ -378,7 +407,8 @@ def main():
   parser.add_argument('--micro', type=int, default=0,
                       help="the original's micro-batch for every measurement (default per "
                       'size and measurement)')
-  parser.add_argument('--only', default='', help='comma-separated: stage1,stage2,infer')
+  parser.add_argument('--only', default='',
+                      help='comma-separated: stage1,stage2,infer,tokenizer')
   parser.add_argument('--skip', default='',
                       help='comma-separated rows to leave out, e.g. stage2:anomaly,ours/stage1 '
                       '(what, both sides; side/what, one side)')

@@ -96,8 +96,9 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
   # builds none and its strict=False load drops them). False refuses such a file instead.
   t.init_drop_unused_attention = False
   # The frozen tokenizer's convolutions (stages 1 and 2, the caption command): 'bfloat16' runs
-  # them with bf16 operands, the 3x3 ones in row bands (about 1.5x faster on the CPUs measured,
-  # features within about 1e-2; docs/performance.md); the feature cache is built in float32.
+  # them with bf16 operands, the 3x3 ones in row bands (docs/performance.md, "The tokenizer's
+  # convolutions in row bands": a faster encode, features within a few per cent of float32's);
+  # the feature cache is built in float32 either way.
   t.frozen_dtype = 'float32'
   t.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 800}[preset],

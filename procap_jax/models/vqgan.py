@@ -70,6 +70,10 @@ def num_groups(channels: int) -> int:
 # convolutions in row bands").
 BAND_BYTES = 2 * 2**20
 _NHWC = ('NHWC', 'HWIO', 'NHWC')
+# Images per encode call of the bfloat16 frozen tokenizer: the band loops' float32 results and
+# padded copies of 64 images at 224 px took paper-size inference from 8 to 15.6 GiB; 8 images at
+# a time bound them and were faster per image (docs/performance.md, same section).
+BFLOAT16_CHUNK = 8
 
 
 def band_rows(height: int, width: int, channels: int, itemsize: int,
@@ -473,16 +477,28 @@ class Frozen:
   """The frozen tokenizer as stages 1 and 2 call it (hashable: usable as a static jit argument).
 
   `params` are the VQGAN's 'params' collection; images are float [M, S, S, 3] in [0, 1].
+  `chunk` > 0 encodes `chunk` images at a time (a `lax.map`; the last chunk zero-padded): the
+  memory of one chunk's activations, the same values.
   """
   model: VQGAN
+  chunk: int = 0
+
+  def _encode(self, params: Any, images: jax.Array, method: str) -> jax.Array:
+    m, c = images.shape[0], self.chunk
+    if not c or m <= c:
+      return self.model.apply({'params': params}, images, method=method)
+    padded = jnp.pad(images, ((0, -m % c),) + ((0, 0),) * (images.ndim - 1))
+    out = lax.map(lambda x: self.model.apply({'params': params}, x, method=method),
+                  padded.reshape((-1, c) + images.shape[1:]))
+    return out.reshape((-1,) + out.shape[2:])[:m]
 
   def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
     """-> continuous pre-quantisation features [M, h, w, C]."""
-    return self.model.apply({'params': params}, images, method='encode_features')
+    return self._encode(params, images, 'encode_features')
 
   def encode_tokens(self, params: Any, images: jax.Array) -> jax.Array:
     """-> code indices int32 [M, h*w]."""
-    return self.model.apply({'params': params}, images, method='encode_tokens')
+    return self._encode(params, images, 'encode_tokens')
 
   def decode_tokens(self, params: Any, ids: jax.Array) -> jax.Array:
     """[M, h*w] code ids -> images [M, S, S, 3] in [0, 1]."""
@@ -491,11 +507,14 @@ class Frozen:
 
 def frozen(model_config: Any, dtype: str = 'float32') -> Frozen:
   """The frozen tokenizer of `config.tokenizer.model` (lists from a JSON config become tuples)
-  computing its convolutions in `dtype` ('float32' or 'bfloat16': `config.tokenizer.frozen_dtype`;
-  features and codes come out as float32 and int32 either way)."""
+  computing its convolutions in `dtype` ('float32' or 'bfloat16': `config.tokenizer.frozen_dtype`,
+  which also encodes BFLOAT16_CHUNK images at a time); features and codes come out as float32
+  and int32 either way."""
   items = model_config.to_dict() if hasattr(model_config, 'to_dict') else dict(model_config)
   items = {k: tuple(v) if isinstance(v, list) else v for k, v in items.items()}
-  return Frozen(VQGAN(**items, dtype={'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[dtype]))
+  if dtype == 'float32':
+    return Frozen(VQGAN(**items))
+  return Frozen(VQGAN(**items, dtype=jnp.bfloat16), chunk=BFLOAT16_CHUNK)
 
 
 def frozen_from_config(config: Any) -> Frozen:

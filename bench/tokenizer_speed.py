@@ -1,0 +1,122 @@
+r"""The frozen tokenizer's convolutions and encode, float32 against bfloat16 (row bands).
+
+  python -m bench.tokenizer_speed                        # paper tokenizer, 16 images, all shapes
+  python -m bench.tokenizer_speed --images 64 --skip_convs
+  python -m bench.tokenizer_speed --config configs/synthetic.py --images 64
+
+Two parts, each alternating its forms over `--rounds` rounds (median and best seconds):
+  - `conv`: one 3x3 convolution of each shape the paper encoder runs (224 px x 128 channels down
+    to 14 px x 512, 8 images; stride 2 for the downsamples) as the library's float32
+    convolution (`lax`, what float32 models run), the library's with bfloat16 operands, and
+    `vqgan.conv_general_dilated` with bfloat16 operands (row bands for the stride-1 ones, the
+    float32 library form for the others), with GFLOP/s and the relative difference from
+    float32.
+  - `encode`: `encode_features` of `--images` random images through `vqgan.frozen(config,
+    dtype)` for each of `--frozen_dtypes` (`config.tokenizer.frozen_dtype`), random parameters,
+    with the features' relative difference (norm) from float32's and the codes' agreement.
+    `bench/compare_original.py`'s `tokenizer` rows run this part against the original's
+    encoder on the same 64 images.
+One JSON line per form. Random values: speed does not depend on them.
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import train_step as bench_step
+from procap_jax.diagnostics import stand_ins
+from procap_jax.models import vqgan
+
+# (images, side, channels in, channels out, stride): the paper encoder's convolutions.
+PAPER_SHAPES = ((8, 224, 128, 128, 1), (8, 112, 128, 128, 1), (8, 56, 256, 256, 1),
+                (8, 28, 256, 256, 1), (8, 14, 512, 512, 1), (8, 224, 128, 128, 2),
+                (8, 56, 256, 256, 2))
+
+
+def _times(fns: dict, args: tuple, rounds: int) -> tuple[dict, dict]:
+  outs = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}  # compiles
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t0)
+  return times, outs
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def convs(rounds: int) -> None:
+  for n, side, cin, cout, stride in PAPER_SHAPES:
+    x = jax.random.normal(jax.random.key(0), (n, side, side, cin))
+    k = jax.random.normal(jax.random.key(1), (3, 3, cin, cout)) / np.sqrt(9 * cin)
+    padding = 'SAME' if stride == 1 else ((0, 1), (0, 1))  # the downsample's right/bottom pad
+    dims = jax.lax.conv_dimension_numbers(x.shape, k.shape, ('NHWC', 'HWIO', 'NHWC'))
+
+    def library(a, w):
+      return jax.lax.conv_general_dilated(a, w, (stride, stride), padding,
+                                          dimension_numbers=dims)
+
+    def ours(a, w):
+      return vqgan.conv_general_dilated(a.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                        (stride, stride), padding, dimension_numbers=dims)
+
+    fns = {'library_f32': jax.jit(library),
+           'library_bf16': jax.jit(lambda a, w: library(a.astype(jnp.bfloat16),
+                                                        w.astype(jnp.bfloat16))),
+           'ours_bf16': jax.jit(ours)}
+    times, outs = _times(fns, (x, k), rounds)
+    out_side = side // stride
+    flops = 2 * n * out_side * out_side * 9 * cin * cout
+    for name, ts in times.items():
+      print(json.dumps({
+          'bench': 'tokenizer_speed', 'part': 'conv', 'form': name,
+          'shape': [n, side, side, cin, cout], 'stride': stride,
+          'step_s': float(np.median(ts)), 'step_s_best': float(np.min(ts)),
+          'gflops': flops / float(np.median(ts)) / 1e9,
+          'rel_diff': _rel(outs[name], outs['library_f32']), 'rounds': rounds}), flush=True)
+
+
+def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...]) -> None:
+  config = bench_step.load_config(config_spec, [])
+  params = stand_ins.random_tokenizer(config)
+  side = int(config.tokenizer.model.resolution)
+  x = jax.random.uniform(jax.random.key(0), (images, side, side, 3))
+  tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
+  fns = {d: jax.jit(t.encode_features) for d, t in tokenizers.items()}
+  times, outs = _times(fns, (params, x), rounds)
+  codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
+  ref = 'float32' if 'float32' in outs else None
+  for name, ts in times.items():
+    print(json.dumps({
+        'bench': 'tokenizer_speed', 'part': 'encode', 'config': config_spec,
+        'frozen_dtype': name, 'images': images, 'side': side,
+        'step_s': float(np.median(ts)), 'step_s_best': float(np.min(ts)),
+        'features_rel_diff': _rel(outs[name], outs[ref]) if ref else None,
+        'codes_equal_fraction': float(np.mean(codes[name] == codes[ref])) if ref else None,
+        'rounds': rounds}), flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--config', default='configs/clevr_change.py:paper')
+  parser.add_argument('--images', type=int, default=16)
+  parser.add_argument('--rounds', type=int, default=2)
+  parser.add_argument('--skip_convs', action='store_true')
+  parser.add_argument('--frozen_dtypes', default='float32,bfloat16',
+                      help='comma-separated, in this order (float32 first for the differences)')
+  args = parser.parse_args()
+  if not args.skip_convs:
+    convs(args.rounds)
+  encode(args.config, args.images, args.rounds, tuple(args.frozen_dtypes.split(',')))
+
+
+if __name__ == '__main__':
+  main()
