@@ -16,7 +16,8 @@ Two parts, each alternating its forms over `--rounds` rounds (median and best se
     with the features' relative difference (norm) from float32's and the codes' agreement.
     `bench/compare_original.py`'s `tokenizer` rows run this part against the original's
     encoder on the same 64 images.
-One JSON line per form. Random values: speed does not depend on them.
+One JSON line per form (`peak_rss_gib`: the process's, over every form it ran so far). Random
+values: speed does not depend on them.
 """
 
 import argparse
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import common
 from bench import train_step as bench_step
 from procap_jax.diagnostics import stand_ins
 from procap_jax.models import vqgan
@@ -101,7 +103,7 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...]) 
         'step_s': float(np.median(ts)), 'step_s_best': float(np.min(ts)),
         'features_rel_diff': _rel(outs[name], outs[ref]) if ref else None,
         'codes_equal_fraction': float(np.mean(codes[name] == codes[ref])) if ref else None,
-        'rounds': rounds}), flush=True)
+        'rounds': rounds, 'peak_rss_gib': common.peak_rss_gib()}), flush=True)
 
 
 def main():

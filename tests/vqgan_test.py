@@ -1,5 +1,6 @@
 """Tests for models/vqgan.py: shapes, the paper configuration's parameter tree, the quantiser, the
-straight-through gradient, the asymmetric downsample padding and the input-scaling switches."""
+straight-through gradient, the asymmetric downsample padding, the input-scaling switches, and the
+bfloat16 convolutions in row bands with the chunked frozen encode."""
 
 import flax.linen as nn
 import jax
@@ -330,3 +331,17 @@ def test_frozen_from_config_reads_the_frozen_dtype():
   assert vqgan.frozen_from_config(config).model.dtype == jnp.bfloat16
   del config.tokenizer['frozen_dtype']  # a config saved before the entry existed
   assert vqgan.frozen_from_config(config).model.dtype == jnp.float32
+
+
+def test_frozen_chunks_give_the_unchunked_values():
+  x = _images(5, 16)
+  variables = _variables(vqgan.VQGAN(**WIDE), 16)
+  whole = vqgan.frozen(WIDE)
+  chunked = vqgan.Frozen(whole.model, chunk=2)  # 3 chunks, the last one padded
+  for method in ('encode_features', 'encode_tokens'):
+    want = getattr(whole, method)(variables['params'], x)
+    got = getattr(chunked, method)(variables['params'], x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  assert vqgan.frozen(WIDE, 'bfloat16').chunk == vqgan.BFLOAT16_CHUNK
+  assert vqgan.frozen(WIDE).chunk == 0  # float32 programs as before
