@@ -345,3 +345,5 @@ def test_frozen_chunks_give_the_unchunked_values():
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   assert vqgan.frozen(WIDE, 'bfloat16').chunk == vqgan.BFLOAT16_CHUNK
   assert vqgan.frozen(WIDE).chunk == 0  # float32 programs as before
+  with pytest.raises(ValueError, match='float32 or bfloat16'):
+    vqgan.frozen(WIDE, 'float16')

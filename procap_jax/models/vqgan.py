@@ -140,7 +140,7 @@ def _banded_fwd(x, kernel):
 
 
 def _banded_bwd(saved, g):
-  x, kernel = saved  # the library's float32 form (its bfloat16 one is slower, see below)
+  x, kernel = saved  # the library's float32 form (its bfloat16 one is no faster)
   grads = jax.vjp(_library_conv3x3, x.astype(jnp.float32), kernel.astype(jnp.float32))[1](
       g.astype(jnp.float32))
   return tuple(d.astype(v.dtype) for d, v in zip(grads, saved))
@@ -153,7 +153,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
                          dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
   """`lax.conv_general_dilated` for nn.Conv, with bfloat16 3x3 'SAME' stride-1 convolutions of
   at least 32 input channels computed by `banded_conv3x3` and the other bfloat16 ones in float32
-  (on XLA:CPU the library's bfloat16 convolutions run slower than its float32 ones:
+  (on XLA:CPU the library's bfloat16 convolutions run no faster than its float32 ones:
   docs/performance.md, "The tokenizer's convolutions in row bands")."""
   banded = (lhs.dtype == jnp.bfloat16 and lhs.ndim == 4 and rhs.shape[:2] == (3, 3)
             and rhs.shape[2] >= 32 and tuple(window_strides) == (1, 1)
@@ -163,7 +163,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
             and dimension_numbers == lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC))
   if banded:
     return banded_conv3x3(lhs, rhs)
-  if lhs.dtype == jnp.bfloat16:  # the library's bf16 convolutions run slower than its float32
+  if lhs.dtype == jnp.bfloat16:  # the library's bf16 convolutions run no faster than float32
     return conv_general_dilated(lhs.astype(jnp.float32), rhs.astype(jnp.float32), window_strides,
                                 padding, lhs_dilation, rhs_dilation, dimension_numbers,
                                 feature_group_count, precision, **kwargs).astype(lhs.dtype)
@@ -512,6 +512,8 @@ def frozen(model_config: Any, dtype: str = 'float32') -> Frozen:
   and int32 either way."""
   items = model_config.to_dict() if hasattr(model_config, 'to_dict') else dict(model_config)
   items = {k: tuple(v) if isinstance(v, list) else v for k, v in items.items()}
+  if dtype not in ('float32', 'bfloat16'):
+    raise ValueError(f'the frozen tokenizer computes in float32 or bfloat16, not {dtype!r}')
   if dtype == 'float32':
     return Frozen(VQGAN(**items))
   return Frozen(VQGAN(**items, dtype=jnp.bfloat16), chunk=BFLOAT16_CHUNK)
