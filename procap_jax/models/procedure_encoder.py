@@ -144,8 +144,9 @@ class ProcedureEncoder(nn.Module):
     scan_blocks: run the blocks as one `lax.scan` over their stacked parameters with each
       block `jax.checkpoint`ed, so the backward pass keeps only every block's input and
       attention output and recomputes one block at a time inside the loop (where no scheduler
-      can hoist the recomputation, unlike `remat`). The parameters stay per block (`resblocks_<i>`, the
-      original's layout); they are stacked on the fly. Same values; used after init.
+      can hoist the recomputation, unlike `remat`). The parameters stay per block
+      (`resblocks_<i>`, the original's layout); they are stacked on the fly. Same values; used
+      after init.
     attention_chunk: 0 = full attention; C > 0 = attention queries in chunks of C, each
       rematerialised (`layers.chunked_attention`): the same values and parameter tree, with
       only a [B, H, C, S] block of scores alive at a time (docs/performance.md).
