@@ -150,6 +150,7 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       frame_difference='none' if preset == 'tiny' else 'before',
       remat=False,                     # nn.remat per block; on XLA:CPU it saves no memory
       scan_blocks=False,               # blocks as a checkpointed lax.scan (memory, same values)
+      scan_keep_dense=False,           # with scan_blocks: keep the dense outputs (speed, memory)
       attention_chunk=0,               # >0: attention queries in chunks (memory, same values)
       # Attention for 2 (batch, head) pairs at a time: same values, their scores stay in cache
       # (stage 1 about 1.5x faster here; docs/performance.md). 0 = all pairs at once.
@@ -192,6 +193,10 @@ def _pretrain(preset: str) -> ml_collections.ConfigDict:
       # on the default: val loss 36.32 -> 36.14, test consistency 58.6 -> 61.4 % (fidelity.md).
       decay_steps={'tiny': 0, 'quick': 0, 'default': 500}[preset],
       clip=1.0,
+      # M > 1: the encoder's forwards and backward in M micro-batches of batch_size / M rows,
+      # gradients accumulated; the same values (masks, negatives and divisors are the whole
+      # batch's), so speed and memory only.
+      micro_batches=1,
       log_every=10 if preset == 'tiny' else 50,
       eval_every={'tiny': 20, 'quick': 150, 'default': 250}[preset],
       checkpoint_every={'tiny': 10, 'quick': 150, 'default': 250}[preset],
@@ -231,6 +236,9 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       clip=1.0,
       label_smoothing=0.1,
       loss_reduction='sum',            # original: KL summed over target words; 'mean' per word
+      # M > 1: the captioner's forward and backward in M micro-batches of batch_size / M rows,
+      # gradients accumulated; the same values except dropout's masks (drawn per micro-batch).
+      micro_batches=1,
       t_total_factor=1.0,              # schedule length / steps (2.0 = the original 2-GPU launch)
       log_every=10 if preset == 'tiny' else 50,
       eval_every={'tiny': 20, 'quick': 200, 'default': 350}[preset],

@@ -158,6 +158,7 @@ _SHAPE_KEYS = {
 }
 # Model entries that change neither the parameters nor the values computed (memory only).
 _IGNORED_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blocks',
+                           'pretrain.model.scan_keep_dense',
                            'pretrain.model.attention_chunk', 'pretrain.model.attention_group',
                            # derived from data.num_keyframes (compared) since it left the config
                            'pretrain.model.num_frames'})

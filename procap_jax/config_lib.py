@@ -84,6 +84,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     tr = config[stage].train
     if tr.steps < 1 or tr.batch_size < 1:
       raise errors.UserError(f'config.{stage}.train.steps and batch_size must be positive')
+  for stage in ('pretrain', 'caption'):
+    tr = config[stage].train
+    micro = tr.get('micro_batches', 1)
+    if not isinstance(micro, int) or micro < 1 or tr.batch_size % micro:
+      raise errors.UserError(f'config.{stage}.train.micro_batches is {micro!r}; it must be a '
+                             f'positive integer dividing the batch size ({tr.batch_size})')
   pt = config.pretrain.train
   if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '

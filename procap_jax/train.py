@@ -41,6 +41,10 @@ class Task:
       init (not on resume), outside jit, e.g. stage 2 loading the stage-1 encoder.
     loss_fn: (params, model_state, constants, batch, rng, config, model) ->
       (loss, (metrics dict of scalars, new model_state)). Pure and jittable; train mode.
+    value_and_grad: None, or (params, model_state, constants, batch, rng, config, model) ->
+      ((loss, (metrics, new model_state)), gradients): what the step differentiates with
+      instead of `jax.value_and_grad(loss_fn)` (stage 1: gradient accumulation over
+      micro-batches); it must give the same values.
     make_optimizer: (config, total_steps) -> optax.GradientTransformation.
     evaluate: (state, constants, config, model, split, workdir) -> dict of python floats
       (host side; may call jitted functions).
@@ -59,6 +63,7 @@ class Task:
   load_constants: Callable[..., Any] = lambda config, workdir: None
   restore_init: Callable[..., Any] | None = None
   feature_cache: Callable[..., Any] | None = None
+  value_and_grad: Callable[..., Any] | None = None
 
 
 @flax.struct.dataclass
@@ -147,11 +152,15 @@ def make_train_step(task: 'Task', model, config, tx, state_sh, batch_sh, const_s
   def step(state, batch, constants, rng):
     rng = jax.random.fold_in(rng, state.step)
 
-    def loss_fn(params):
-      return task.loss_fn(params, state.model_state, constants, batch, rng, config, model)
+    if task.value_and_grad is None:
+      def loss_fn(params):
+        return task.loss_fn(params, state.model_state, constants, batch, rng, config, model)
 
-    (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params)
+      (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          state.params)
+    else:
+      (loss, (metrics, model_state)), grads = task.value_and_grad(
+          state.params, state.model_state, constants, batch, rng, config, model)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)

@@ -340,3 +340,37 @@ def test_invalid_rows_do_not_count():
   assert float(metrics['tokens']) == float(want['tokens']) == 6 + 4
   assert float(metrics['loss_sum']) == pytest.approx(float(want['loss_sum']), rel=1e-5)
   assert math.isfinite(float(metrics['loss_per_word']))
+
+
+@pytest.mark.parametrize('reduction,micro', [('sum', 2), ('mean', 4)])
+def test_micro_batches_give_the_batch_loss_metrics_and_gradients(reduction, micro):
+  """Without dropout, gradient accumulation over micro-batches is the batch's loss, metrics
+  and gradients ('mean' divides by the whole batch's words; a padding row counts nothing)."""
+  batch, _, vocab = _toy_data(8)
+  batch = dict(batch, valid=np.array([True] * 7 + [False]))
+  config = _tiny_config(vocab.size)
+  config.caption.train.loss_reduction = reduction
+  model = caption.build_model(config)
+  params = nn.meta.unbox(_init(model, config, batch))
+  task = caption.make_task(lambda c: FakeTokenizer())
+  rng = jax.random.key(0)
+  whole = jax.jit(jax.value_and_grad(
+      lambda p: task.loss_fn(p, {}, {'tokenizer': {}}, batch, rng, config, model),
+      has_aux=True))(params)
+  micro_config = _tiny_config(vocab.size)
+  micro_config.caption.train.loss_reduction = reduction
+  micro_config.caption.train.micro_batches = micro
+  parts = jax.jit(lambda p: task.value_and_grad(p, {}, {'tokenizer': {}}, batch, rng,
+                                                micro_config, model))(params)
+  (loss, (metrics, _)), grads = jax.device_get(whole)
+  (loss_m, (metrics_m, _)), grads_m = jax.device_get(parts)
+  np.testing.assert_allclose(loss_m, loss, rtol=1e-5)
+  for k in metrics:
+    np.testing.assert_allclose(metrics_m[k], metrics[k], rtol=1e-5, err_msg=k)
+  flat, flat_m = jax.tree.leaves(grads), jax.tree.leaves(grads_m)
+  assert len(flat) == len(flat_m) and sum(float(np.abs(g).sum()) for g in flat) > 0
+  for g, g_m in zip(flat, flat_m):
+    np.testing.assert_allclose(g_m, g, rtol=1e-4, atol=1e-6)
+  micro_config.caption.train.micro_batches = 3
+  with pytest.raises(ValueError, match='micro_batches'):
+    task.value_and_grad(params, {}, {'tokenizer': {}}, batch, rng, micro_config, model)

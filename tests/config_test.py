@@ -54,6 +54,9 @@ def test_unknown_variant_is_rejected():
     ('data.image_size', 48, 'image_size'),
     ('pretrain.train.decay_steps', 21, 'decay_steps'),   # the tiny preset trains 20 steps
     ('pretrain.train.decay_steps', -1, 'decay_steps'),
+    ('pretrain.train.micro_batches', 3, 'micro_batches'),  # does not divide the tiny batch 8
+    ('pretrain.train.micro_batches', 0, 'micro_batches'),
+    ('caption.train.micro_batches', 5, 'micro_batches'),
     ('data.encoder_text', 'bpe', 'encoder_text'),
 ])
 def test_bad_values(key, value, match):
@@ -102,8 +105,8 @@ def test_unknown_override_key_exits_nonzero(tmp_path):
 
 def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
   """A checkpoint saved before an entry was added to the schema still restores; a changed model
-  entry is named; memory-only entries (remat, scan_blocks, attention_chunk, attention_group)
-  are not compared."""
+  entry is named; memory-only entries (remat, scan_blocks, scan_keep_dense, attention_chunk,
+  attention_group) are not compared."""
   from procap_jax import checkpointing
   config = synthetic.get_config('tiny')
   saved = config.to_dict()
@@ -113,6 +116,7 @@ def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
   saved['pretrain']['model']['width'] = 96
   config.pretrain.model.remat = True
   config.pretrain.model.scan_blocks = True
+  config.pretrain.model.scan_keep_dense = True
   config.pretrain.model.attention_chunk = 64
   config.pretrain.model.attention_group = 4
   diffs = checkpointing.config_differences(saved, config, 'pretrain')

@@ -343,6 +343,61 @@ def test_sharded_loss_equals_single_device(setup):
   np.testing.assert_allclose(single, sharded, rtol=1e-5)
 
 
+@pytest.mark.parametrize('inputs,fused,micro', [('masked', True, 2), ('masked', False, 3),
+                                                ('visible', True, 6)])
+def test_micro_batches_give_the_batch_loss_metrics_and_gradients(setup, inputs, fused, micro):
+  """Gradient accumulation over micro-batches is the batch's loss and gradient: the masks,
+  negatives (the whole batch's caption swap) and divisors stay the batch's. A padding row and
+  a fully masked sample (the 'all' strategy on some rows) check the divisors."""
+  _, model, params, constants = setup
+  batch = _batch(np.random.default_rng(5), 6)
+  batch['valid'][4] = False
+  cfg = _config(binary_inputs=inputs, fused_forwards=fused)
+  cfg.pretrain.masking.strategy_probs = (0.5, 0.5, 0.0, 0.0, 0.0)  # random | all frames
+  rng = jax.random.PRNGKey(8)
+  whole = jax.jit(jax.value_and_grad(
+      lambda p: TASK.loss_fn(p, {}, constants, batch, rng, cfg, model), has_aux=True))(params)
+  cfg_micro = _config(binary_inputs=inputs, fused_forwards=fused)
+  cfg_micro.pretrain.masking.strategy_probs = cfg.pretrain.masking.strategy_probs
+  cfg_micro.pretrain.train.micro_batches = micro
+  parts = jax.jit(lambda p: TASK.value_and_grad(p, {}, constants, batch, rng, cfg_micro,
+                                                model))(params)
+  (loss, (metrics, _)), grads = jax.device_get(whole)
+  (loss_m, (metrics_m, _)), grads_m = jax.device_get(parts)
+  assert 0 < metrics['msm_acc'] < 1 or metrics['loss_msm'] > 0
+  np.testing.assert_allclose(loss_m, loss, rtol=1e-5)
+  for k in metrics:
+    np.testing.assert_allclose(metrics_m[k], metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  flat, flat_m = jax.tree.leaves(grads), jax.tree.leaves(grads_m)
+  assert len(flat) == len(flat_m) and sum(float(np.abs(g).sum()) for g in flat) > 0
+  for g, g_m in zip(flat, flat_m):
+    np.testing.assert_allclose(g_m, g, rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_must_divide_the_batch(setup):
+  _, model, params, constants = setup
+  cfg = _config()
+  cfg.pretrain.train.micro_batches = 4
+  with pytest.raises(ValueError, match='micro_batches'):
+    TASK.value_and_grad(params, {}, constants, _batch(np.random.default_rng(5), 6),
+                        jax.random.PRNGKey(8), cfg, model)
+
+
+def test_micro_batches_on_a_sharded_mesh_equal_one_device(setup):
+  config, model, _, constants = setup
+  batch = _batch(np.random.default_rng(7), 8)
+  rng = jax.random.PRNGKey(6)
+  params, mesh = _params_on_a_4x2_mesh(config, model, batch)
+  cfg = _config()
+  cfg.pretrain.train.micro_batches = 2
+  step = jax.jit(lambda p, b: TASK.value_and_grad(p, {}, constants, b, rng, cfg, model))
+  (single, _), grads = jax.device_get(step(jax.device_put(params, jax.devices()[0]), batch))
+  (sharded, _), grads_s = jax.device_get(step(params, sharding.shard_batch(batch, mesh)))
+  np.testing.assert_allclose(sharded, single, rtol=1e-5)
+  for g, g_s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_s)):
+    np.testing.assert_allclose(g_s, g, rtol=1e-4, atol=1e-6)
+
+
 def test_frame_difference_keeps_fused_forwards_and_sharding_exact():
   """With `frame_difference='before'` (the synthetic default's switch) the fused batch-3B forward
   gives the unfused losses, and the loss on a (4, 2) mesh equals the single-device one: the

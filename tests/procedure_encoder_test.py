@@ -271,13 +271,15 @@ def test_embedding_std_sets_every_embedding_table(std):
                                      dict(scan_blocks=True),
                                      dict(scan_blocks=True, attention_chunk=7),
                                      dict(attention_group=3),
-                                     dict(scan_blocks=True, attention_group=2)])
+                                     dict(scan_blocks=True, attention_group=2),
+                                     dict(scan_blocks=True, scan_keep_dense=True)])
 def test_memory_variants_keep_parameters_values_and_gradients(variant):
   """`remat=True` recomputes block activations in the backward pass; `attention_chunk` computes
   attention for a few queries at a time (here 7, which does not divide the sequence, so the
   last chunk is padded); `scan_blocks` runs the blocks as a checkpointed scan over their
   stacked parameters; `attention_group` computes attention for a few (batch, head) pairs at a
-  time (3 does not divide the 2 x 4 pairs, so 2 are used). Each gives the same parameter tree,
+  time (3 does not divide the 2 x 4 pairs, so 2 are used); `scan_keep_dense` keeps the dense
+  outputs in the scan's checkpoint. Each gives the same parameter tree,
   outputs and gradients as the plain encoder, with the [ST1]/[VID] mask rows intact."""
   kw = dict(KW, depth=2)
   plain, variant_model = pe.ProcedureEncoder(**kw), pe.ProcedureEncoder(**kw, **variant)
@@ -294,6 +296,34 @@ def test_memory_variants_keep_parameters_values_and_gradients(variant):
   np.testing.assert_allclose(v_v, v, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_v)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def _count_products(jaxpr) -> int:
+  """dot_general equations in a jaxpr and every jaxpr nested in its equations' parameters."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == 'dot_general'
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          count += _count_products(inner)
+  return count
+
+
+def test_scan_keep_dense_recomputes_no_product():
+  """With the block scan's checkpoint keeping the dense outputs, the gradient's program holds
+  three products fewer (in_proj, out_proj and c_fc are no longer recomputed in the backward
+  scan's body); c_proj's output was never needed."""
+  text, feats, mask = _inputs()
+  counts = {}
+  for keep in (False, True):
+    model = pe.ProcedureEncoder(**dict(KW, depth=2), scan_blocks=True, scan_keep_dense=keep)
+    params = model.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+    grad = jax.grad(lambda p, m=model: jnp.sum(
+        m.apply({'params': p}, text, feats, mask, use_rel=True)['frame_logits'] ** 2))
+    counts[keep] = _count_products(jax.make_jaxpr(grad)(params).jaxpr)
+  assert counts[False] - counts[True] == 3, counts
 
 
 def test_chunked_attention_matches_full_attention_with_a_mask():

@@ -35,6 +35,10 @@ Initializer = Any
 # checkpoint_name of MultiHeadAttention's output before out_proj: the encoder's checkpointed block
 # scan keeps it, so its backward recomputes no attention forward outside the attention's own loop.
 ATTENTION_OUTPUT = 'attention_output'
+# checkpoint_name of the outputs of the block's dense products (in_proj, out_proj, c_fc): with
+# the encoder's `scan_keep_dense` the block scan keeps them too, so its backward recomputes no
+# product (c_proj's output is not needed by any backward).
+DENSE_OUTPUT = 'dense_output'
 
 
 def quick_gelu(x: jax.Array) -> jax.Array:
@@ -442,6 +446,7 @@ class MultiHeadAttention(nn.Module):
     qkv = dense(3 * d, ('embed', 'heads'), dtype=self.dtype,
                 kernel_init=nn.initializers.normal(self.in_std),
                 bias_init=nn.initializers.zeros, name='in_proj')(x)  # [B, S, 3D]
+    qkv = ad_checkpoint.checkpoint_name(qkv, DENSE_OUTPUT)
     q, k, v = jnp.split(qkv, 3, axis=-1)  # 3 x [B, S, D]
     q = q.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
     k = k.reshape(b, s, self.heads, dh)  # [B, S, H, Dh]
@@ -454,9 +459,10 @@ class MultiHeadAttention(nn.Module):
       out = dot_product_attention(q, k, v, mask, dh ** -0.5)  # [B, S, H, Dh]
     out = out.reshape(b, s, d)  # [B, S, D]
     out = ad_checkpoint.checkpoint_name(out, ATTENTION_OUTPUT)
-    return dense(d, ('heads', 'embed'), dtype=self.dtype,
-                 kernel_init=nn.initializers.normal(self.out_std),
-                 bias_init=nn.initializers.zeros, name='out_proj')(out)
+    out = dense(d, ('heads', 'embed'), dtype=self.dtype,
+                kernel_init=nn.initializers.normal(self.out_std),
+                bias_init=nn.initializers.zeros, name='out_proj')(out)  # [B, S, D]
+    return ad_checkpoint.checkpoint_name(out, DENSE_OUTPUT)
 
 
 class Mlp(nn.Module):
@@ -473,6 +479,7 @@ class Mlp(nn.Module):
     h = dense(self.hidden, ('embed', 'mlp'), dtype=self.dtype,
               kernel_init=nn.initializers.normal(self.fc_std),
               bias_init=nn.initializers.zeros, name='c_fc')(x)  # [B, S, F]
+    h = ad_checkpoint.checkpoint_name(h, DENSE_OUTPUT)
     h = quick_gelu(h)
     return dense(self.width, ('mlp', 'embed'), dtype=self.dtype,
                  kernel_init=nn.initializers.normal(self.proj_std),

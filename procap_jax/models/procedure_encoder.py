@@ -147,6 +147,10 @@ class ProcedureEncoder(nn.Module):
       can hoist the recomputation, unlike `remat`). The parameters stay per block
       (`resblocks_<i>`, the original's layout); they are stacked on the fly. Same values; used
       after init.
+    scan_keep_dense: with `scan_blocks`, each block also keeps the outputs of its dense
+      products (in_proj, out_proj, c_fc), so the backward pass recomputes no product, only
+      LayerNorms and activations: faster at about 2.5 times the scan's activation memory (paper
+      stage 1; docs/performance.md). Same values.
     attention_chunk: 0 = full attention; C > 0 = attention queries in chunks of C, each
       rematerialised (`layers.chunked_attention`): the same values and parameter tree, with
       only a [B, H, C, S] block of scores alive at a time (docs/performance.md).
@@ -176,6 +180,7 @@ class ProcedureEncoder(nn.Module):
   embedding_std: float = 1.0
   remat: bool = False
   scan_blocks: bool = False
+  scan_keep_dense: bool = False
   attention_chunk: int = 0
   attention_group: int = 0
   frame_difference: str = 'none'
@@ -265,8 +270,8 @@ class ProcedureEncoder(nn.Module):
     # Keeping each block's attention output ([B, S, D]) spares the recomputed forward its
     # attention (the attention's backward recomputes its own probabilities anyway): paper
     # stage 1 at batch 2, bf16, about 9 % faster for 0.16 GiB (docs/performance.md).
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(
-        layers.ATTENTION_OUTPUT))
+    keep = (layers.ATTENTION_OUTPUT,) + ((layers.DENSE_OUTPUT,) if self.scan_keep_dense else ())
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(*keep))
 
     x, _ = jax.lax.scan(body, x, stacked)
     return x

@@ -212,6 +212,61 @@ def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
                 'accuracy': correct / jnp.maximum(count, 1.0)}
 
 
+def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict,
+                                 rng: jax.Array, config: ml_collections.ConfigDict,
+                                 model: nn.Module, tokenizer: FrozenTokenizer,
+                                 micro_batches: int) -> tuple[tuple[jax.Array, dict], Any]:
+  """`batch_loss` and its gradients with the captioner run `micro_batches` rows at a time
+  (gradient accumulation in a `lax.scan`).
+
+  The frozen features are computed for the whole batch first; 'mean' divides by the whole
+  batch's word count. So the loss, metrics and gradients are the batch's, except that dropout
+  draws its masks per micro-batch (`jax.random.fold_in(rng, j)`): other masks from the same
+  distribution. Micro-batch j takes rows j, j + M, j + 2M, ... (M = micro_batches).
+
+  Returns:
+    ((loss, metrics as `batch_loss`), gradients like `params`).
+  """
+  before, after = encodings.pair_features(tokenizer, tokenizer_params, batch)
+  tokens = jnp.asarray(batch['caption_in'], jnp.int32)
+  b, m = tokens.shape[0], micro_batches
+  if m < 1 or b % m:
+    raise ValueError(f'config.caption.train.micro_batches ({m}) must divide the batch ({b})')
+  labels = teacher_forcing_labels(tokens)
+  labels = jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
+  t = config.caption.train
+  if t.loss_reduction not in ('sum', 'mean'):
+    raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
+                     f'{t.loss_reduction!r}')
+  words = jnp.maximum(jnp.sum(labels != vocab_lib.IGNORE).astype(jnp.float32), 1.0)
+  rows = dict(before=before, after=after, tokens=tokens, labels=labels,
+              key=jnp.arange(m, dtype=jnp.int32))
+  rows = {k: v if k == 'key' else v.reshape((b // m, m) + v.shape[1:]).swapaxes(0, 1)
+          for k, v in rows.items()}
+
+  def micro_loss(p, r):
+    logits = model.apply({'params': p}, r['before'], r['after'], r['tokens'], train=True,
+                         rngs={'dropout': jax.random.fold_in(rng, r['key'])})
+    total, count = label_smoothing_loss(logits, r['labels'], t.label_smoothing)
+    correct = jnp.sum((jnp.argmax(logits, -1) == r['labels']) & (r['labels'] != vocab_lib.IGNORE))
+    loss = total if t.loss_reduction == 'sum' else total / words
+    return loss, dict(total=total, count=count, correct=correct.astype(jnp.float32))
+
+  def one(carry, r):
+    grads, sums = carry
+    (_, micro_sums), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(params, r)
+    return (jax.tree.map(jnp.add, grads, micro_grads),
+            jax.tree.map(jnp.add, sums, micro_sums)), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           {k: jnp.zeros((), jnp.float32) for k in ('total', 'count', 'correct')})
+  (grads, sums), _ = jax.lax.scan(one, zeros, rows)
+  per_word = sums['total'] / jnp.maximum(sums['count'], 1.0)
+  loss = sums['total'] if t.loss_reduction == 'sum' else per_word
+  return (loss, {'loss_per_word': per_word, 'loss_sum': sums['total'], 'tokens': sums['count'],
+                 'accuracy': sums['correct'] / jnp.maximum(sums['count'], 1.0)}), grads
+
+
 def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Array,
               after: jax.Array) -> tuple[jax.Array, jax.Array]:
   """uint8 images [B, S, S, 3] -> frozen features [B, h, w, C] each (one tokenizer call)."""
@@ -304,6 +359,16 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
                                tokenizer_factory(config))
     return loss, (metrics, model_state)
 
+  def value_and_grad(params, model_state, constants, batch, rng, config, model):
+    micro_batches = config.caption.train.get('micro_batches', 1)  # absent in older configs
+    if micro_batches == 1:
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, constants, batch,
+                                                       rng, config, model)
+    (loss, metrics), grads = micro_batched_value_and_grad(
+        params, constants['tokenizer'], batch, rng, config, model, tokenizer_factory(config),
+        micro_batches)
+    return (loss, (metrics, model_state)), grads
+
   def evaluate(state, constants, config, model, split, workdir, *, batches=None, info=None,
                vocab=None, write_predictions=True, use_meteor=None, use_spice=None):
     """Decodes `split`, scores it; METEOR/SPICE by default only on 'test' (val selects on CIDEr).
@@ -340,7 +405,8 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
     return flat_metrics(scores)
 
   return train.Task(name='caption', build_model=build_model, init_params=init_params,
-                    loss_fn=loss_fn, make_optimizer=caption_optimizer.make_optimizer,
+                    loss_fn=loss_fn, value_and_grad=value_and_grad,
+                    make_optimizer=caption_optimizer.make_optimizer,
                     evaluate=evaluate, feature_cache=tokenizer_factory,
                     load_constants=load_constants, restore_init=restore_init)
 

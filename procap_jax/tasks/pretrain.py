@@ -152,6 +152,23 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
     logits rel_pos, rel_neg (own and swapped caption), vid_pos, vid_neg (clean and corrupted
     clip), each [B], and corruption int32 [B] (index into `corruptions.KINDS`).
   """
+  x = forward_inputs(tokenizer_params, batch, rng, config, tokenizer)
+  out = forward_logits(params, config, model, x['text'], x['features'], x['features_neg'],
+                       x['mask'], x['fully_masked'])
+  return dict(out, codes=x['codes'], corruption=x['corruption'])
+
+
+def forward_inputs(tokenizer_params: Any, batch: dict, rng: jax.Array,
+                   config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict:
+  """What the stage-1 forwards of a batch take, none of it depending on the encoder: the masks
+  and corruptions drawn from `rng` and the frozen tokenizer's encodings (arguments as
+  `batch_statistics`).
+
+  Returns:
+    dict with text int32 [B, L], features and features_neg [B, T, h, w, C] (clean and
+    corrupted clips), mask bool [B, T, N], fully_masked bool [B], codes int32 [B, T*N] and
+    corruption int32 [B].
+  """
   frames = encodings.images01(batch['keyframes'])  # [B, T, S, S, 3]
   text = jnp.asarray(batch['encoder_text'], jnp.int32)  # [B, L]
   b = frames.shape[0]
@@ -169,14 +186,14 @@ def batch_logits(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array
       k_corrupt, frames, features,
       lambda images: jax.lax.stop_gradient(tokenizer.encode_features(tokenizer_params, images)),
       config)
-  out = forward_logits(params, config, model, text, features, features_neg, masks.mask,
-                       masks.fully_masked)
-  return dict(out, codes=codes, corruption=kind)
+  return dict(text=text, features=features, features_neg=features_neg, mask=masks.mask,
+              fully_masked=masks.fully_masked, codes=codes, corruption=kind)
 
 
 def forward_logits(params: Any, config: ml_collections.ConfigDict, model: nn.Module,
                    text: jax.Array, features: jax.Array, features_neg: jax.Array,
-                   mask: jax.Array, fully_masked: jax.Array) -> dict:
+                   mask: jax.Array, fully_masked: jax.Array,
+                   text_swapped: jax.Array | None = None) -> dict:
   """The stage-1 forwards on explicit inputs (what `batch_logits` samples and encodes).
 
   Args:
@@ -188,13 +205,16 @@ def forward_logits(params: Any, config: ml_collections.ConfigDict, model: nn.Mod
     features_neg: [B, T, h, w, C] features of the corrupted clips.
     mask: bool [B, T, N], True = masked.
     fully_masked: bool [B], samples excluded from the binary losses' divisor.
+    text_swapped: int32 [B, L], the alignment negatives' captions; None = `swap_batch(text)`
+      (a micro-batch passes its rows of the whole batch's swap).
 
   Returns:
     dict with frame_logits [B, T*N, K], token_mask bool [B, T*N], fully_masked bool [B] (all
     False with binary_inputs='visible'), rel_pos, rel_neg, vid_pos, vid_neg [B].
   """
   b = text.shape[0]
-  text_swapped = swap_batch(text)
+  if text_swapped is None:
+    text_swapped = swap_batch(text)
   inputs = config.pretrain.binary_inputs
   if inputs not in BINARY_INPUTS:
     raise ValueError(f'config.pretrain.binary_inputs must be one of {BINARY_INPUTS}, '
@@ -296,6 +316,64 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
   return out
 
 
+def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict,
+                                 rng: jax.Array, config: ml_collections.ConfigDict,
+                                 model: nn.Module, tokenizer: Tokenizer,
+                                 micro_batches: int) -> tuple[tuple[jax.Array, dict], Any]:
+  """The loss, its metrics and gradients of a batch, the encoder run `micro_batches` rows at a
+  time (gradient accumulation in a `lax.scan`): the same values as one pass over the batch.
+
+  Everything that couples rows is drawn for the whole batch first (masks, corruptions, the
+  swapped captions of the alignment negatives, the frozen encodings), and the losses'
+  divisors (masked tokens, included samples) are the whole batch's, so the micro-batches'
+  losses add up to the batch's loss and their gradients to its gradient. Micro-batch j takes
+  rows j, j + M, j + 2M, ... (M = micro_batches), which keeps a batch sharded over devices
+  evenly spread over the micro-batches.
+
+  Args:
+    params, tokenizer_params, batch, rng, config, model, tokenizer: as `batch_statistics`.
+    micro_batches: M, dividing the batch size.
+
+  Returns:
+    ((loss, metrics as `losses_from_sums`), gradients like `params`).
+  """
+  x = forward_inputs(tokenizer_params, batch, rng, config, tokenizer)
+  valid = jnp.asarray(batch['valid'], bool)  # [B]
+  b, m = valid.shape[0], micro_batches
+  if m < 1 or b % m:
+    raise ValueError(f'config.pretrain.train.micro_batches ({m}) must divide the batch ({b})')
+  fully_masked = x['fully_masked']
+  if config.pretrain.binary_inputs == 'visible':  # as forward_logits: no binary input masked
+    fully_masked = jnp.zeros_like(fully_masked)
+  # The whole batch's divisors (what losses_from_sums would read from the summed statistics).
+  divisors = dict(msm_count=jnp.sum(x['mask'].reshape(b, -1) & valid[:, None]).astype(jnp.float32),
+                  included=jnp.sum(valid & ~fully_masked).astype(jnp.float32))
+  rows = dict(text=x['text'], text_swapped=swap_batch(x['text']), features=x['features'],
+              features_neg=x['features_neg'], mask=x['mask'], fully_masked=x['fully_masked'],
+              codes=x['codes'], valid=valid)
+  rows = jax.tree.map(lambda a: a.reshape((b // m, m) + a.shape[1:]).swapaxes(0, 1), rows)
+
+  def micro_loss(p, r):
+    out = forward_logits(p, config, model, r['text'], r['features'], r['features_neg'],
+                         r['mask'], r['fully_masked'], text_swapped=r['text_swapped'])
+    sums = statistics_from_logits(out['frame_logits'], r['codes'], out['token_mask'],
+                                  out['fully_masked'], r['valid'], out['rel_pos'],
+                                  out['rel_neg'], out['vid_pos'], out['vid_neg'])
+    return losses_from_sums(dict(sums, **divisors), config)['loss'], sums
+
+  def one(carry, r):
+    grads, sums = carry
+    (_, micro_sums), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(params, r)
+    return (jax.tree.map(jnp.add, grads, micro_grads),
+            jax.tree.map(jnp.add, sums, micro_sums)), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           {key: jnp.zeros((), jnp.float32) for key in SUM_KEYS})
+  (grads, sums), _ = jax.lax.scan(one, zeros, rows)
+  metrics = losses_from_sums(sums, config)
+  return (metrics['loss'], metrics), grads
+
+
 # ----------------------------------------------------------------------------- optimisation
 
 
@@ -385,6 +463,16 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
     metrics = losses_from_sums(sums, config)
     return metrics['loss'], (metrics, model_state)
 
+  def value_and_grad(params, model_state, constants, batch, rng, config, model):
+    micro_batches = config.pretrain.train.get('micro_batches', 1)  # absent in older configs
+    if micro_batches == 1:
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, constants, batch,
+                                                       rng, config, model)
+    (loss, metrics), grads = micro_batched_value_and_grad(
+        params, constants['tokenizer'], batch, rng, config, model, tokenizer_factory(config),
+        micro_batches)
+    return (loss, (metrics, model_state)), grads
+
   def evaluate(state, constants, config, model, split, workdir, *, batches=None):
     if batches is None:
       cache = feature_cache.load(config, workdir, constants['tokenizer'])
@@ -393,7 +481,8 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
                             tokenizer_factory(config), batches)
 
   return train.Task(name='pretrain', build_model=build_model, init_params=init_params,
-                    loss_fn=loss_fn, make_optimizer=make_optimizer, evaluate=evaluate,
+                    loss_fn=loss_fn, value_and_grad=value_and_grad,
+                    make_optimizer=make_optimizer, evaluate=evaluate,
                     load_constants=load_constants, feature_cache=tokenizer_factory,
                     restore_init=lambda params, config, workdir: convert_init.restore(
                         'pretrain', params, config))
