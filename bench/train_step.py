@@ -27,6 +27,15 @@ the cache; `both` measures off, then on (fresh processes); `alternate` compiles 
 process and times them in turns, off, on, off, on, ..., `--steps` each, so a changing machine
 load hits both alike: one line per variant, then one with the median of the per-pair ratios.
 `--rounds R` repeats every measurement R times, in order.
+
+`--variant NAME:KEY=VALUE,KEY=VALUE` (repeatable) compiles each named set of overrides (on top
+of `--set`) in this process and times the variants in turns, `--steps` rounds, so that load
+changes hit all alike: one line per variant (median and every step time, compiled memory), then
+one with the peak RSS of the process (which covers all of them), e.g.
+
+  python -m bench.train_step --config configs/clevr_change.py:paper --stage pretrain \
+      --batch 8 --dtype bfloat16 --feature_cache on --steps 3 \
+      --variant one: --variant micro4:pretrain.train.micro_batches=4
 """
 
 import argparse
@@ -213,11 +222,55 @@ def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | 
   return records
 
 
+def run_variants(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
+                 overrides: list[str] | tuple[str, ...], cached: bool,
+                 variants: dict[str, list[str]]) -> list[dict]:
+  """Times the stage's step under each variant's overrides in turns, in this process.
+
+  Returns:
+    One record per variant (step_s: median of its `steps` steps; step_times: all of them;
+    the compiled step's memory analysis) and one with the process's peak RSS and load.
+  """
+  load_before = os.getloadavg()
+  runs = {}
+  for name, extra in variants.items():
+    _, size, compiled, state, batch, constants, rng, compile_s = _compile(
+        config_spec, stage, batch_size, dtype, list(overrides) + extra, cached)
+    state, metrics = compiled(state, batch, constants, rng)  # warm-up
+    jax.block_until_ready(metrics)
+    runs[name] = dict(compiled=compiled, state=state, batch=batch, constants=constants, rng=rng,
+                      times=[], compile_s=compile_s, size=size, loss=float(metrics['loss']))
+  for _ in range(steps):
+    for r in runs.values():
+      t0 = time.perf_counter()
+      r['state'], metrics = r['compiled'](r['state'], r['batch'], r['constants'], r['rng'])
+      jax.block_until_ready(metrics)
+      r['times'].append(time.perf_counter() - t0)
+  records = []
+  for name, r in runs.items():
+    sec = float(np.median(r['times']))
+    records.append({
+        'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
+        'batch': r['size'], 'overrides': list(overrides) or None, 'variant': name,
+        'variant_overrides': variants[name], 'feature_cache': cached and stage != 'tokenizer',
+        'steps_timed': len(r['times']), 'step_s': sec,
+        'step_times': [round(t, 3) for t in r['times']], 'compile_s': r['compile_s'],
+        'samples_per_s': r['size'] / sec, 'first_loss': r['loss'],
+        **common.memory_gib(r['compiled'])})
+  records.append({'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
+                  'variants': list(variants), 'load_before': [round(x, 2) for x in load_before],
+                  'load_after': [round(x, 2) for x in os.getloadavg()],
+                  'peak_rss_gib': common.peak_rss_gib()})
+  return records
+
+
 def _has_loops(config, stage: str) -> bool:
-  """Whether the step runs the encoder blocks or attention chunks / groups in XLA loops, whose
-  bodies XLA's cost analysis counts once instead of once per iteration."""
+  """Whether the step runs the encoder blocks, attention chunks / groups or micro-batches in XLA
+  loops, whose bodies XLA's cost analysis counts once instead of once per iteration."""
   m = config.pretrain.model
-  return stage != 'tokenizer' and bool(m.scan_blocks or m.attention_chunk or m.attention_group)
+  micro = stage != 'tokenizer' and config[stage].train.get('micro_batches', 1) > 1
+  return stage != 'tokenizer' and bool(m.scan_blocks or m.attention_chunk or m.attention_group
+                                       or micro)
 
 
 def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
@@ -227,6 +280,8 @@ def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
   config.compute_dtype = dtype
   m = config.pretrain.model
   m.scan_blocks, m.attention_chunk, m.attention_group = False, 0, 0
+  if stage != 'tokenizer':
+    config[stage].train.micro_batches = 1
   step, state, batch, constants, rng = prepare(config, stage, batch_size, cached=cached)
   return common.compiled_flops(step.lower(state, batch, constants, rng).compile())
 
@@ -250,9 +305,28 @@ def main():
                       'encoding the images (off), both in turn, or alternate step by step')
   parser.add_argument('--rounds', type=int, default=1,
                       help='repeat every measurement this many times, in order')
+  parser.add_argument('--variant', action='append', default=[],
+                      metavar='NAME:KEY=VALUE,KEY=VALUE',
+                      help='time these named override sets in turns in one process')
   args = parser.parse_args()
   stages = STAGES if args.stage == 'all' else (args.stage,)
   dtypes = ('float32', 'bfloat16') if args.dtype == 'both' else (args.dtype,)
+  if args.variant:
+    if args.feature_cache not in ('off', 'on'):
+      parser.error('--variant takes --feature_cache off or on')
+    variants = {}
+    for spec in args.variant:
+      name, sep, sets = spec.partition(':')
+      if not name or not sep:
+        parser.error(f'--variant {spec!r}: expected NAME:KEY=VALUE,... (NAME: for none)')
+      variants[name] = [item for item in sets.split(',') if item]
+    for round_ in range(args.rounds):
+      for stage in stages:
+        for dtype in dtypes:
+          for record in run_variants(args.config, stage, args.steps, args.batch, dtype, args.set,
+                                     args.feature_cache == 'on', variants):
+            common.emit(dict(record, round=round_))
+    return
   if args.feature_cache == 'alternate':
     for round_ in range(args.rounds):
       for stage in stages:
