@@ -4,10 +4,11 @@
 scenes (../shared/fixtures, via tests/clevr_manual.py), through the dataset build, the three
 stages, the test evaluation, results.json and report.html. The overrides shrink only sizes:
 64 px images (builder config `cpu64`, flow interpolation like `paper`), a narrow VQGAN with the
-paper's f16 layout, a 2-block encoder and a narrow decoder, 1 step per stage at batch 2 (about
-290 CPU-seconds). Every switch of the preset (CLIP BPE encoder text with its 49,408 ids,
-scanned blocks, chunked attention, the original's embeddings, frame tokens and binary-head
-inputs, the constant stage-1 lr) stays as `paper` sets it. The full-size run and its figures:
+paper's f16 layout, a 2-block encoder and a narrow decoder, 1 step per stage at batch 2 in
+micro-batches of 1 (about 290 CPU-seconds). Every switch of the preset (CLIP BPE encoder text
+with its 49,408 ids, scanned blocks keeping their dense outputs, attention in pair groups, the
+original's embeddings, frame tokens and binary-head inputs, the constant stage-1 lr) stays as
+`paper` sets it. The full-size run and its figures:
 docs/performance.md, "The paper presets on real images".
 """
 
@@ -44,6 +45,8 @@ def _overrides() -> list[str]:
     t = f'--config.{stage}.train.'
     out += [f'{t}steps=1', f'{t}batch_size=2', f'{t}log_every=1', f'{t}eval_every=1',
             f'{t}checkpoint_every=1', f'{t}eval_batches=1']
+  # The presets' micro-batches (4 of batch_size / 4), as 2 of 1 row at this batch.
+  out += ['--config.pretrain.train.micro_batches=2', '--config.caption.train.micro_batches=2']
   return out
 
 
