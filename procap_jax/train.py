@@ -146,6 +146,56 @@ def compiler_options(mesh) -> dict | None:
   return None
 
 
+def micro_batch_rows(tree: Any, micro_batches: int) -> Any:
+  """[B, ...] leaves -> [M, B / M, ...]: micro-batch j holds rows j, j + M, j + 2M, ... (so a
+  batch sharded over devices stays spread evenly over the micro-batches)."""
+  def split(x):
+    b = x.shape[0]
+    return x.reshape((b // micro_batches, micro_batches) + x.shape[1:]).swapaxes(0, 1)
+  return jax.tree.map(split, tree)
+
+
+def accumulate_gradients(micro_loss: Callable[[Any, Any], tuple[jax.Array, dict]], params: Any,
+                         rows: Any, sums: dict) -> tuple[Any, dict]:
+  """Sums of `micro_loss`'s gradients and aux sums over the micro-batches `rows` ([M, ...]
+  leaves), one micro-batch at a time in a `lax.scan`.
+
+  Args:
+    micro_loss: (params, one micro-batch's rows) -> (loss, dict of scalar sums).
+    params: the differentiated parameters.
+    rows: pytree of [M, ...] arrays (`micro_batch_rows`).
+    sums: zeros shaped like micro_loss's dict.
+
+  Returns:
+    (gradients like `params`, the dict of sums).
+  """
+  def one(carry, r):
+    grads, total = carry
+    (_, micro_sums), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(params, r)
+    return (jax.tree.map(jnp.add, grads, micro_grads),
+            jax.tree.map(jnp.add, total, micro_sums)), None
+
+  (grads, sums), _ = jax.lax.scan(one, (jax.tree.map(jnp.zeros_like, params), sums), rows)
+  return grads, sums
+
+
+def micro_batched(stage: str, loss_fn: Callable[..., Any],
+                  micro_value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
+  """A `Task.value_and_grad`: `jax.value_and_grad(loss_fn)` when `config.<stage>.train.
+  micro_batches` is 1 (or absent, as in configs saved before it existed), else
+  `micro_value_and_grad(params, constants, batch, rng, config, model, micro_batches)` ->
+  ((loss, metrics), gradients)."""
+  def value_and_grad(params, model_state, constants, batch, rng, config, model):
+    micro_batches = config[stage].train.get('micro_batches', 1)
+    if micro_batches == 1:
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, constants, batch,
+                                                       rng, config, model)
+    (loss, metrics), grads = micro_value_and_grad(params, constants, batch, rng, config, model,
+                                                  micro_batches)
+    return (loss, (metrics, model_state)), grads
+  return value_and_grad
+
+
 def make_train_step(task: 'Task', model, config, tx, state_sh, batch_sh, const_sh, mesh):
   """The jitted, donated train step `(state, batch, constants, rng) -> (state, metrics)`."""
 

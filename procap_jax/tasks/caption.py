@@ -239,10 +239,9 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
     raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
                      f'{t.loss_reduction!r}')
   words = jnp.maximum(jnp.sum(labels != vocab_lib.IGNORE).astype(jnp.float32), 1.0)
-  rows = dict(before=before, after=after, tokens=tokens, labels=labels,
+  rows = dict(train.micro_batch_rows(dict(before=before, after=after, tokens=tokens,
+                                           labels=labels), m),
               key=jnp.arange(m, dtype=jnp.int32))
-  rows = {k: v if k == 'key' else v.reshape((b // m, m) + v.shape[1:]).swapaxes(0, 1)
-          for k, v in rows.items()}
 
   def micro_loss(p, r):
     logits = model.apply({'params': p}, r['before'], r['after'], r['tokens'], train=True,
@@ -252,15 +251,8 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
     loss = total if t.loss_reduction == 'sum' else total / words
     return loss, dict(total=total, count=count, correct=correct.astype(jnp.float32))
 
-  def one(carry, r):
-    grads, sums = carry
-    (_, micro_sums), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(params, r)
-    return (jax.tree.map(jnp.add, grads, micro_grads),
-            jax.tree.map(jnp.add, sums, micro_sums)), None
-
-  zeros = (jax.tree.map(jnp.zeros_like, params),
-           {k: jnp.zeros((), jnp.float32) for k in ('total', 'count', 'correct')})
-  (grads, sums), _ = jax.lax.scan(one, zeros, rows)
+  zeros = {k: jnp.zeros((), jnp.float32) for k in ('total', 'count', 'correct')}
+  grads, sums = train.accumulate_gradients(micro_loss, params, rows, zeros)
   per_word = sums['total'] / jnp.maximum(sums['count'], 1.0)
   loss = sums['total'] if t.loss_reduction == 'sum' else per_word
   return (loss, {'loss_per_word': per_word, 'loss_sum': sums['total'], 'tokens': sums['count'],
@@ -359,15 +351,10 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
                                tokenizer_factory(config))
     return loss, (metrics, model_state)
 
-  def value_and_grad(params, model_state, constants, batch, rng, config, model):
-    micro_batches = config.caption.train.get('micro_batches', 1)  # absent in older configs
-    if micro_batches == 1:
-      return jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, constants, batch,
-                                                       rng, config, model)
-    (loss, metrics), grads = micro_batched_value_and_grad(
-        params, constants['tokenizer'], batch, rng, config, model, tokenizer_factory(config),
-        micro_batches)
-    return (loss, (metrics, model_state)), grads
+  value_and_grad = train.micro_batched(
+      'caption', loss_fn, lambda params, constants, batch, rng, config, model, m:
+      micro_batched_value_and_grad(params, constants['tokenizer'], batch, rng, config, model,
+                                   tokenizer_factory(config), m))
 
   def evaluate(state, constants, config, model, split, workdir, *, batches=None, info=None,
                vocab=None, write_predictions=True, use_meteor=None, use_spice=None):

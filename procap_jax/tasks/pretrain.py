@@ -351,7 +351,7 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   rows = dict(text=x['text'], text_swapped=swap_batch(x['text']), features=x['features'],
               features_neg=x['features_neg'], mask=x['mask'], fully_masked=x['fully_masked'],
               codes=x['codes'], valid=valid)
-  rows = jax.tree.map(lambda a: a.reshape((b // m, m) + a.shape[1:]).swapaxes(0, 1), rows)
+  rows = train.micro_batch_rows(rows, m)
 
   def micro_loss(p, r):
     out = forward_logits(p, config, model, r['text'], r['features'], r['features_neg'],
@@ -361,15 +361,8 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
                                   out['rel_neg'], out['vid_pos'], out['vid_neg'])
     return losses_from_sums(dict(sums, **divisors), config)['loss'], sums
 
-  def one(carry, r):
-    grads, sums = carry
-    (_, micro_sums), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(params, r)
-    return (jax.tree.map(jnp.add, grads, micro_grads),
-            jax.tree.map(jnp.add, sums, micro_sums)), None
-
-  zeros = (jax.tree.map(jnp.zeros_like, params),
-           {key: jnp.zeros((), jnp.float32) for key in SUM_KEYS})
-  (grads, sums), _ = jax.lax.scan(one, zeros, rows)
+  grads, sums = train.accumulate_gradients(
+      micro_loss, params, rows, {key: jnp.zeros((), jnp.float32) for key in SUM_KEYS})
   metrics = losses_from_sums(sums, config)
   return (metrics['loss'], metrics), grads
 
@@ -463,15 +456,10 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
     metrics = losses_from_sums(sums, config)
     return metrics['loss'], (metrics, model_state)
 
-  def value_and_grad(params, model_state, constants, batch, rng, config, model):
-    micro_batches = config.pretrain.train.get('micro_batches', 1)  # absent in older configs
-    if micro_batches == 1:
-      return jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, constants, batch,
-                                                       rng, config, model)
-    (loss, metrics), grads = micro_batched_value_and_grad(
-        params, constants['tokenizer'], batch, rng, config, model, tokenizer_factory(config),
-        micro_batches)
-    return (loss, (metrics, model_state)), grads
+  value_and_grad = train.micro_batched(
+      'pretrain', loss_fn, lambda params, constants, batch, rng, config, model, m:
+      micro_batched_value_and_grad(params, constants['tokenizer'], batch, rng, config, model,
+                                   tokenizer_factory(config), m))
 
   def evaluate(state, constants, config, model, split, workdir, *, batches=None):
     if batches is None:
