@@ -177,6 +177,17 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
   return record
 
 
+def _time_in_turns(runs: dict, steps: int) -> None:
+  """Runs every compiled step of `runs` once per round, in order, for `steps` rounds,
+  appending each step's seconds to its `times` (and carrying its donated state)."""
+  for _ in range(steps):
+    for r in runs.values():
+      t0 = time.perf_counter()
+      r['state'], metrics = r['compiled'](r['state'], r['batch'], r['constants'], r['rng'])
+      jax.block_until_ready(metrics)
+      r['times'].append(time.perf_counter() - t0)
+
+
 def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype: str,
                     overrides: list[str] | tuple[str, ...] = ()) -> list[dict]:
   """Times the stage's step without and with the feature cache in turns, in this process.
@@ -195,13 +206,7 @@ def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | 
     runs[cached] = dict(compiled=compiled, state=state, batch=batch, constants=constants,
                         rng=rng, times=[], compile_s=compile_s,
                         flops=common.compiled_flops(compiled))
-  for _ in range(steps):
-    for cached in (False, True):
-      r = runs[cached]
-      t0 = time.perf_counter()
-      r['state'], metrics = r['compiled'](r['state'], r['batch'], r['constants'], r['rng'])
-      jax.block_until_ready(metrics)
-      r['times'].append(time.perf_counter() - t0)
+  _time_in_turns(runs, steps)
   records = []
   for cached, r in runs.items():
     sec = float(np.median(r['times']))
@@ -240,12 +245,7 @@ def run_variants(config_spec: str, stage: str, steps: int, batch_size: int | Non
     jax.block_until_ready(metrics)
     runs[name] = dict(compiled=compiled, state=state, batch=batch, constants=constants, rng=rng,
                       times=[], compile_s=compile_s, size=size, loss=float(metrics['loss']))
-  for _ in range(steps):
-    for r in runs.values():
-      t0 = time.perf_counter()
-      r['state'], metrics = r['compiled'](r['state'], r['batch'], r['constants'], r['rng'])
-      jax.block_until_ready(metrics)
-      r['times'].append(time.perf_counter() - t0)
+  _time_in_turns(runs, steps)
   records = []
   for name, r in runs.items():
     sec = float(np.median(r['times']))
