@@ -43,8 +43,8 @@ class Task:
       (loss, (metrics dict of scalars, new model_state)). Pure and jittable; train mode.
     value_and_grad: None, or (params, model_state, constants, batch, rng, config, model) ->
       ((loss, (metrics, new model_state)), gradients): what the step differentiates with
-      instead of `jax.value_and_grad(loss_fn)` (stage 1: gradient accumulation over
-      micro-batches); it must give the same values.
+      instead of `jax.value_and_grad(loss_fn)` (stages 1 and 2: gradient accumulation over
+      micro-batches, `micro_batched`); it must give the same values.
     make_optimizer: (config, total_steps) -> optax.GradientTransformation.
     evaluate: (state, constants, config, model, split, workdir) -> dict of python floats
       (host side; may call jitted functions).
