@@ -187,6 +187,10 @@ def micro_batched(stage: str, loss_fn: Callable[..., Any],
   ((loss, metrics), gradients)."""
   def value_and_grad(params, model_state, constants, batch, rng, config, model):
     micro_batches = config[stage].train.get('micro_batches', 1)
+    rows = jnp.shape(batch['valid'])[0]
+    if micro_batches < 1 or rows % micro_batches:
+      raise ValueError(f'config.{stage}.train.micro_batches ({micro_batches}) must divide the '
+                       f'batch ({rows})')
     if micro_batches == 1:
       return jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, constants, batch,
                                                        rng, config, model)

@@ -188,6 +188,25 @@ def label_smoothing_loss(logits: jax.Array, labels: jax.Array,
   return jnp.sum(kl), jnp.sum(valid).astype(jnp.float32)
 
 
+def _batch_labels(batch: dict) -> jax.Array:
+  """Teacher-forcing targets [B, L] of the batch's captions, all ignored on padding rows."""
+  labels = teacher_forcing_labels(jnp.asarray(batch['caption_in'], jnp.int32))
+  return jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
+
+
+def _loss_and_metrics(total: jax.Array, count: jax.Array, correct: jax.Array,
+                      reduction: str) -> tuple[jax.Array, dict]:
+  """(loss, metrics) from the summed KL, the word count and the correct words: the loss is the
+  sum ('sum') or the mean per word ('mean')."""
+  if reduction not in ('sum', 'mean'):
+    raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
+                     f'{reduction!r}')
+  per_word = total / jnp.maximum(count, 1.0)
+  loss = total if reduction == 'sum' else per_word
+  return loss, {'loss_per_word': per_word, 'loss_sum': total, 'tokens': count,
+                'accuracy': correct / jnp.maximum(count, 1.0)}
+
+
 def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
                config: ml_collections.ConfigDict, model: nn.Module,
                tokenizer: FrozenTokenizer) -> tuple[jax.Array, dict]:
@@ -196,20 +215,13 @@ def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
   The before/after features come from the feature cache when the batch carries it."""
   before, after = encodings.pair_features(tokenizer, tokenizer_params, batch)
   tokens = jnp.asarray(batch['caption_in'], jnp.int32)
-  labels = teacher_forcing_labels(tokens)
-  labels = jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
+  labels = _batch_labels(batch)
   logits = model.apply({'params': params}, before, after, tokens, train=True,
                        rngs={'dropout': rng})
   t = config.caption.train
   total, count = label_smoothing_loss(logits, labels, t.label_smoothing)
-  per_word = total / jnp.maximum(count, 1.0)
   correct = jnp.sum((jnp.argmax(logits, -1) == labels) & (labels != vocab_lib.IGNORE))
-  if t.loss_reduction not in ('sum', 'mean'):
-    raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
-                     f'{t.loss_reduction!r}')
-  loss = total if t.loss_reduction == 'sum' else per_word
-  return loss, {'loss_per_word': per_word, 'loss_sum': total, 'tokens': count,
-                'accuracy': correct / jnp.maximum(count, 1.0)}
+  return _loss_and_metrics(total, count, correct, t.loss_reduction)
 
 
 def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict,
@@ -229,15 +241,9 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   """
   before, after = encodings.pair_features(tokenizer, tokenizer_params, batch)
   tokens = jnp.asarray(batch['caption_in'], jnp.int32)
-  b, m = tokens.shape[0], micro_batches
-  if m < 1 or b % m:
-    raise ValueError(f'config.caption.train.micro_batches ({m}) must divide the batch ({b})')
-  labels = teacher_forcing_labels(tokens)
-  labels = jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
+  m = micro_batches
+  labels = _batch_labels(batch)
   t = config.caption.train
-  if t.loss_reduction not in ('sum', 'mean'):
-    raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
-                     f'{t.loss_reduction!r}')
   words = jnp.maximum(jnp.sum(labels != vocab_lib.IGNORE).astype(jnp.float32), 1.0)
   rows = dict(train.micro_batch_rows(dict(before=before, after=after, tokens=tokens,
                                            labels=labels), m),
@@ -253,10 +259,8 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
 
   zeros = {k: jnp.zeros((), jnp.float32) for k in ('total', 'count', 'correct')}
   grads, sums = train.accumulate_gradients(micro_loss, params, rows, zeros)
-  per_word = sums['total'] / jnp.maximum(sums['count'], 1.0)
-  loss = sums['total'] if t.loss_reduction == 'sum' else per_word
-  return (loss, {'loss_per_word': per_word, 'loss_sum': sums['total'], 'tokens': sums['count'],
-                 'accuracy': sums['correct'] / jnp.maximum(sums['count'], 1.0)}), grads
+  return _loss_and_metrics(sums['total'], sums['count'], sums['correct'],
+                           t.loss_reduction), grads
 
 
 def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Array,

@@ -340,8 +340,6 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   x = forward_inputs(tokenizer_params, batch, rng, config, tokenizer)
   valid = jnp.asarray(batch['valid'], bool)  # [B]
   b, m = valid.shape[0], micro_batches
-  if m < 1 or b % m:
-    raise ValueError(f'config.pretrain.train.micro_batches ({m}) must divide the batch ({b})')
   fully_masked = x['fully_masked']
   if config.pretrain.binary_inputs == 'visible':  # as forward_logits: no binary input masked
     fully_masked = jnp.zeros_like(fully_masked)
