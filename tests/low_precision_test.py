@@ -64,6 +64,34 @@ def test_accumulating_dot_general_matches_float32_product_and_gradients():
     _close(got, want, 2e-2)  # and the gradient products see a bfloat16 cotangent
 
 
+def test_dense_class_is_flax_dense_for_float32_only():
+  assert layers.dense_class(jnp.float32) is nn.Dense
+  assert layers.dense_class(BF16) is layers.AccumulatingDense
+
+
+@pytest.mark.parametrize('use_bias', [True, False])
+def test_accumulating_dense_is_flax_dense_with_a_float32_accumulated_bias_gradient(use_bias):
+  k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+  x = _bf16(k1, (3, 40, 16))
+  g = jax.random.normal(k3, (3, 40, 8)).astype(BF16)
+  kwargs = dict(features=8, use_bias=use_bias, dtype=BF16,
+                dot_general=layers.accumulating_dot_general,
+                bias_init=nn.initializers.normal(1.0))
+  flax_dense, ours = nn.Dense(**kwargs), layers.AccumulatingDense(**kwargs)
+  params = flax_dense.init(k2, x)
+  assert jax.tree.map(jnp.shape, ours.init(k2, x)) == jax.tree.map(jnp.shape, params)
+  y, vjp = jax.vjp(lambda p, x: ours.apply(p, x), params, x)
+  y_ref, vjp_ref = jax.vjp(lambda p, x: flax_dense.apply(p, x), params, x)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+  (d_params, d_x), (d_params_ref, d_x_ref) = vjp(g), vjp_ref(g)
+  np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(d_x_ref, np.float32))
+  np.testing.assert_array_equal(d_params['params']['kernel'], d_params_ref['params']['kernel'])
+  if use_bias:
+    # The sum over the 120 rows, accumulated in float32 and rounded to bfloat16 once.
+    want = np.asarray(g, np.float32).reshape(-1, 8).sum(0)
+    np.testing.assert_allclose(d_params['params']['bias'], want, rtol=2 ** -8, atol=1e-6)
+
+
 def test_accumulating_dot_general_rejects_other_contractions():
   x, w = jnp.ones((4, 3), BF16), jnp.ones((4, 5), BF16)
   with pytest.raises(ValueError, match='nn.Dense contractions'):

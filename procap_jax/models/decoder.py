@@ -111,18 +111,19 @@ class Attention(nn.Module):
   def setup(self):
     if self.hidden % self.heads:
       raise ValueError(f'decoder width {self.hidden} is not divisible by {self.heads} heads')
+    dense_cls = layers.dense_class(self.dtype)
     dense = functools.partial(
-        nn.Dense, self.hidden, use_bias=self.use_bias, dtype=self.dtype,
+        dense_cls, self.hidden, use_bias=self.use_bias, dtype=self.dtype,
         dot_general=layers.dense_dot_general(self.dtype),
         bias_init=torch_bias_init(self.hidden, ('heads',)),
         kernel_init=torch_kernel_init(('embed', 'heads')))
     self.query = dense()
     self.key = dense()
     self.value = dense()
-    self.out = nn.Dense(self.hidden, use_bias=self.use_bias, dtype=self.dtype,
-                        dot_general=layers.dense_dot_general(self.dtype),
-                        kernel_init=torch_kernel_init(('heads', 'embed')),
-                        bias_init=torch_bias_init(self.hidden, ('embed',)))
+    self.out = dense_cls(self.hidden, use_bias=self.use_bias, dtype=self.dtype,
+                         dot_general=layers.dense_dot_general(self.dtype),
+                         kernel_init=torch_kernel_init(('heads', 'embed')),
+                         bias_init=torch_bias_init(self.hidden, ('embed',)))
     self.weights_dropout = nn.Dropout(self.dropout)
 
   def _split(self, x: jax.Array) -> jax.Array:
@@ -190,14 +191,15 @@ class DecoderLayer(nn.Module):
     self.norm_self = DecoderLayerNorm(self.layernorm)
     self.norm_cross = DecoderLayerNorm(self.layernorm)
     self.norm_ffn = DecoderLayerNorm(self.layernorm)
-    self.ffn_in = nn.Dense(self.ffn, dtype=self.dtype,
-                           dot_general=layers.dense_dot_general(self.dtype),
-                           kernel_init=torch_kernel_init(('embed', 'mlp')),
-                           bias_init=torch_bias_init(self.hidden, ('mlp',)))
-    self.ffn_out = nn.Dense(self.hidden, dtype=self.dtype,
+    dense_cls = layers.dense_class(self.dtype)
+    self.ffn_in = dense_cls(self.ffn, dtype=self.dtype,
                             dot_general=layers.dense_dot_general(self.dtype),
-                            kernel_init=torch_kernel_init(('mlp', 'embed')),
-                            bias_init=torch_bias_init(self.ffn, ('embed',)))
+                            kernel_init=torch_kernel_init(('embed', 'mlp')),
+                            bias_init=torch_bias_init(self.hidden, ('mlp',)))
+    self.ffn_out = dense_cls(self.hidden, dtype=self.dtype,
+                             dot_general=layers.dense_dot_general(self.dtype),
+                             kernel_init=torch_kernel_init(('mlp', 'embed')),
+                             bias_init=torch_bias_init(self.ffn, ('embed',)))
     self.residual_dropout = nn.Dropout(self.dropout)
 
   def _tail(self, x: jax.Array, mem_k: jax.Array, mem_v: jax.Array,
