@@ -67,9 +67,12 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # 8 from 27.3 to 3.7 GiB of compiled temporaries (docs/performance.md).
   p.scan_blocks, p.attention_chunk, p.attention_group = True, 0, 2
   # Speed (same values): the scan also keeps each block's dense outputs, and stages 1 and 2 run
-  # in 4 micro-batches with accumulated gradients (stage 1 at batch 8 about 1.13x, stage 2 at
-  # batch 32 about 1.2x faster, bf16 on the feature cache; docs/performance.md). Stage 2's
-  # dropout then draws its masks per micro-batch.
+  # in micro-batches with accumulated gradients, stage 1 one sample (3 fused sequences) and
+  # stage 2 two pairs at a time (bf16 on the feature cache, stage 1 at batch 8: 49.0 s a step
+  # against 55.3 s in 4 micro-batches; stage 2 at batch 32: 56.5 s against 68.7 s; compiled
+  # temporaries 3.1 -> 2.1 and 3.9 -> 1.9 GiB; docs/performance.md). Stage 2's dropout then
+  # draws its masks per micro-batch. On a data-parallel mesh, each micro-batch's rows are what
+  # is spread over the devices: choose M so that batch_size / M covers them.
   p.scan_keep_dense = True
   p.embedding_std = 1.0                          # the original's N(0, 1) tables (4.1)
   p.frame_difference = 'none'                    # the original's frame tokens (fidelity.md)
@@ -77,13 +80,13 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   pt = config.pretrain.train
   pt.steps, pt.batch_size, pt.lr, pt.warmup_steps, pt.warmup = 200_000, 8, 1e-4, 5000, 'log'
   pt.decay_steps = 0                             # the original's constant lr after warmup
-  pt.micro_batches = 4
+  pt.micro_batches = 8
   pt.eval_every, pt.checkpoint_every, pt.log_every = 5000, 5000, 100
   c = config.caption.model
   c.hidden, c.heads, c.ffn, c.layers = 512, 8, 2048, decoder_layers
   ct = config.caption.train
   ct.batch_size, ct.lr, ct.lr_encoder = 32, 5e-5, 2e-5
-  ct.micro_batches = 4
+  ct.micro_batches = 16
   ct.steps = 40 * 2115            # 40 epochs; set from the train split size (see docstring)
   ct.eval_every = ct.checkpoint_every = 2115
   ct.log_every = 100

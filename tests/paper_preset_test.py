@@ -45,7 +45,7 @@ def _overrides() -> list[str]:
     t = f'--config.{stage}.train.'
     out += [f'{t}steps=1', f'{t}batch_size=2', f'{t}log_every=1', f'{t}eval_every=1',
             f'{t}checkpoint_every=1', f'{t}eval_batches=1']
-  # The presets' micro-batches (4 of batch_size / 4), as 2 of 1 row at this batch.
+  # The presets' micro-batches (stage 1: one row each, stage 2: two), as 2 of 1 row here.
   out += ['--config.pretrain.train.micro_batches=2', '--config.caption.train.micro_batches=2']
   return out
 
