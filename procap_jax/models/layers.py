@@ -244,7 +244,9 @@ class AccumulatingDense(nn.Dense):
 
   The product is `accumulating_dot_general`'s; the bias gradient is computed as a product
   of a row of ones with the output gradient (float32 accumulation) instead of a sum over the
-  rows, which XLA:CPU runs as a slow `reduce-window` (about 0.3 G elements/s).
+  rows, which XLA:CPU runs as a slow `reduce-window` (about 0.3 G elements/s). `dtype` must
+  be set (the computation dtype); nn.Dense's `dot_general`, `dot_general_cls` and `precision`
+  fields are not used.
   """
 
   @nn.compact
