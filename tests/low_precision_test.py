@@ -38,11 +38,6 @@ def _close_norm(got, want, tol):
   assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
 
 
-def test_dense_dot_general_is_lax_for_float32_only():
-  assert layers.dense_dot_general(jnp.float32) is None
-  assert layers.dense_dot_general(BF16) is layers.accumulating_dot_general
-
-
 def test_accumulating_dot_general_matches_float32_product_and_gradients():
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   x, w = _bf16(k1, (3, 5, 16)), _bf16(k2, (16, 8))

@@ -42,12 +42,10 @@ class MemoryMLP(nn.Module):
     width = x.shape[-1]
     dense_cls = layers.dense_class(self.dtype)
     x = dense_cls(width, dtype=self.dtype, name='dense_0',
-                  dot_general=layers.dense_dot_general(self.dtype),
                   kernel_init=decoder_lib.torch_kernel_init(('embed', 'mlp')),
                   bias_init=decoder_lib.torch_bias_init(width, ('mlp',)))(x)
     x = nn.relu(x)
     x = dense_cls(self.hidden, dtype=self.dtype, name='dense_1',
-                  dot_general=layers.dense_dot_general(self.dtype),
                   kernel_init=decoder_lib.torch_kernel_init(('mlp', 'embed')),
                   bias_init=decoder_lib.torch_bias_init(width, ('embed',)))(x)
     return decoder_lib.DecoderLayerNorm('standard', name='norm')(x)

@@ -114,14 +114,12 @@ class Attention(nn.Module):
     dense_cls = layers.dense_class(self.dtype)
     dense = functools.partial(
         dense_cls, self.hidden, use_bias=self.use_bias, dtype=self.dtype,
-        dot_general=layers.dense_dot_general(self.dtype),
         bias_init=torch_bias_init(self.hidden, ('heads',)),
         kernel_init=torch_kernel_init(('embed', 'heads')))
     self.query = dense()
     self.key = dense()
     self.value = dense()
     self.out = dense_cls(self.hidden, use_bias=self.use_bias, dtype=self.dtype,
-                         dot_general=layers.dense_dot_general(self.dtype),
                          kernel_init=torch_kernel_init(('heads', 'embed')),
                          bias_init=torch_bias_init(self.hidden, ('embed',)))
     self.weights_dropout = nn.Dropout(self.dropout)
@@ -193,11 +191,9 @@ class DecoderLayer(nn.Module):
     self.norm_ffn = DecoderLayerNorm(self.layernorm)
     dense_cls = layers.dense_class(self.dtype)
     self.ffn_in = dense_cls(self.ffn, dtype=self.dtype,
-                            dot_general=layers.dense_dot_general(self.dtype),
                             kernel_init=torch_kernel_init(('embed', 'mlp')),
                             bias_init=torch_bias_init(self.hidden, ('mlp',)))
     self.ffn_out = dense_cls(self.hidden, dtype=self.dtype,
-                             dot_general=layers.dense_dot_general(self.dtype),
                              kernel_init=torch_kernel_init(('mlp', 'embed')),
                              bias_init=torch_bias_init(self.ffn, ('embed',)))
     self.residual_dropout = nn.Dropout(self.dropout)

@@ -207,14 +207,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   return accumulating_einsum('bnts,bsnh->btnh', probs, v).astype(v.dtype)
 
 
-def dense_dot_general(dtype: Dtype) -> Any:
-  """The `dot_general` for nn.Dense at computation `dtype`: lax's for float32 (unchanged
-  graphs), `accumulating_dot_general` for narrower float types."""
-  if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
-    return None
-  return accumulating_dot_general
-
-
 @jax.custom_vjp
 def _accumulating_affine(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
   """x [..., K] @ kernel [K, N] + bias [N], all of x's dtype: nn.Dense's forward with
@@ -288,7 +280,6 @@ def dense(features: int, names: tuple[str | None, str | None], *, dtype: Dtype =
     bias_init = torch_bias_init(fan_in) if fan_in else nn.initializers.zeros
   return dense_class(dtype)(
       features, dtype=dtype, param_dtype=jnp.float32, name=name,
-      dot_general=dense_dot_general(dtype),
       kernel_init=nn.with_logical_partitioning(kernel_init, names),
       bias_init=nn.with_logical_partitioning(bias_init, (names[1],)))
 
