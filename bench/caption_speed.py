@@ -3,6 +3,8 @@ r"""Inference speed: TPS as the paper defines it, captions per second, latency o
   python -m bench.caption_speed                                   # synthetic default, batch 32
   python -m bench.caption_speed --config configs/clevr_change.py:paper --batch 32 --repeats 2
   python -m bench.caption_speed --config configs/synthetic.py:tiny --batch 8
+  python -m bench.caption_speed --config configs/clevr_change.py:paper --batch 32 \
+      --dtype bfloat16 --set tokenizer.frozen_dtype=bfloat16 --feature_cache on
 
 TPS (spec section 7): batch x 24 / (time of the encoder plus the greedy decode), i.e. every one
 of the 24 caption slots counts as a token; the time covers the tokenizer encoder on the two
@@ -10,6 +12,10 @@ frames, the procedure encoder, the memory MLP and the decoding loop. Our greedy 
 KV cache and stops when every caption has emitted [EOS]; a randomly initialised model rarely
 emits [EOS], so these figures are for the full 24 steps, like the original's. Random weights:
 speed does not depend on them.
+
+`--feature_cache on` times inference as evaluation runs it on the tokenizer feature cache
+(`data.feature_cache`): the batch carries random cached keyframe features, so the tokenizer
+encoder does not run and the time covers the captioner alone.
 
 One JSON line: `samples_per_s` = captions/s, `tokens_per_s` = TPS, `latency_one_pair_ms`,
 `peak_rss_gib` (this process: run it alone for a per-measurement figure, as `bench.suite` does).
@@ -31,34 +37,37 @@ from procap_jax.tasks import caption as caption_task
 
 
 def measure(config_spec: str, batch_size: int, repeats: int, dtype: str,
-            overrides: list[str] | tuple[str, ...] = ()) -> dict:
+            overrides: list[str] | tuple[str, ...] = (), feature_cache: bool = False) -> dict:
   """Times batched generation and one-pair latency; returns the JSON record."""
   config = bench_step.load_config(config_spec, overrides)
   config.compute_dtype = dtype
   bench_step.fill_vocab_sizes(config)
   task = stages.TASKS['caption']
   model = task.build_model(config)
-  batch = stand_ins.fake_batch(config, batch_size)
+  batch = stand_ins.fake_batch(config, batch_size, feature_cache=feature_cache)
   params = jax.jit(lambda r: nn.meta.unbox(task.init_params(model, config, r, batch)))(
       jax.random.key(0))
   constants = {'tokenizer': stand_ins.random_tokenizer(config)}
 
-  def run(b, a):
-    return caption_task.generate(params, constants, config, model, b, a)
+  cached = batch.get('keyframe_features') if feature_cache else None
 
+  def run(rows):
+    return caption_task.generate(
+        params, constants, config, model, batch['before'][rows], batch['after'][rows],
+        keyframe_features=None if cached is None else cached[rows])
+
+  whole, one = slice(None), slice(0, 1)
   t0 = time.perf_counter()
-  run(batch['before'], batch['after'])
+  run(whole)
   compile_s = time.perf_counter() - t0
-  times = common.time_all(lambda: run(batch['before'], batch['after']), warmup=0,
-                          repeats=repeats)
+  times = common.time_all(lambda: run(whole), warmup=0, repeats=repeats)
   sec = float(np.median(times))
-  one_b, one_a = batch['before'][:1], batch['after'][:1]
-  run(one_b, one_a)
-  latency = common.time_all(lambda: run(one_b, one_a), warmup=0, repeats=max(3, repeats))
+  run(one)
+  latency = common.time_all(lambda: run(one), warmup=0, repeats=max(3, repeats))
   max_len = int(config.caption.model.max_len)
   return {
       'bench': 'caption_speed', 'config': config_spec, 'dtype': dtype, 'batch': batch_size,
-      'overrides': list(overrides) or None,
+      'overrides': list(overrides) or None, 'feature_cache': feature_cache,
       'decoding': config.caption.decoding.method, 'batch_s': sec, 'batch_s_best': min(times),
       'samples_per_s': batch_size / sec, 'tokens_per_s': batch_size * max_len / sec,
       'tps': batch_size * max_len / sec, 'captions_per_s': batch_size / sec,
@@ -75,8 +84,11 @@ def main():
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
+  parser.add_argument('--feature_cache', default='off', choices=('off', 'on'),
+                      help='on: from random cached keyframe features, no tokenizer encode')
   args = parser.parse_args()
-  common.emit(measure(args.config, args.batch, args.repeats, args.dtype, args.set))
+  common.emit(measure(args.config, args.batch, args.repeats, args.dtype, args.set,
+                      args.feature_cache == 'on'))
 
 
 if __name__ == '__main__':

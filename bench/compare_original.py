@@ -29,7 +29,8 @@ the inference batch alone (its share of inference), ours.
   - ours: `python -m bench.train_step` (stage pretrain at batch 8, stage caption at batch 32
     pairs; each also with `--feature_cache on`, the step as it runs on the tokenizer feature
     cache built once after stage 0: stage 1 encodes only the frames a corruption changed, stage
-    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`; and with
+    2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`; inference
+    as evaluation runs it on the cache, row `infer:cached+bf16`; and with
     `--dtype bfloat16`, config.compute_dtype: the encoder's and decoder's matmuls take bfloat16
     operands accumulated in float32, and `tokenizer.frozen_dtype=bfloat16` since the commit
     adding it (the frozen tokenizer's convolutions in bfloat16, 3x3 ones in row bands); rows
@@ -288,6 +289,8 @@ def _ours(opts, what: str, versions: dict) -> dict:
   if base == 'infer':
     cmd = ['-m', 'bench.caption_speed', '--config', size['config'], '--batch',
            str(BATCH['infer']), '--repeats', str(opts.steps), *sets]
+    if 'cached' in variants:  # evaluation on the feature cache: no image encodes
+      cmd += ['--feature_cache', 'on']
   elif base == 'tokenizer':
     cmd = ['-m', 'bench.tokenizer_speed', '--config', size['config'], '--skip_convs',
            '--images', str(2 * BATCH['tokenizer']), '--rounds', str(opts.steps),
@@ -336,6 +339,7 @@ PLAN = (  # (side, what, batch as the original counts it); what = row[:variant[+
     ('ours', 'stage2:cached', 32), ('ours', 'stage2:bf16', 32),
     ('ours', 'stage2:cached+bf16', 32),
     ('original', 'infer', 32), ('ours', 'infer', 32), ('ours', 'infer:bf16', 32),
+    ('ours', 'infer:cached+bf16', 32),
     ('original', 'tokenizer', 64), ('ours', 'tokenizer', 64), ('ours', 'tokenizer:bf16', 64),
 )
 
@@ -382,6 +386,7 @@ def _ratios(results: list[dict]) -> dict:
                            ('stage2_bf16', 'stage2', 'stage2:bf16'),
                            ('stage2_cached_bf16', 'stage2', 'stage2:cached+bf16'),
                            ('infer_bf16', 'infer', 'infer:bf16'),
+                           ('infer_cached_bf16', 'infer', 'infer:cached+bf16'),
                            ('tokenizer', 'tokenizer', 'tokenizer'),
                            ('tokenizer_bf16', 'tokenizer', 'tokenizer:bf16')):
     a, b = median('original', what), median('ours', ours)

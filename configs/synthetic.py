@@ -249,6 +249,9 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       method='greedy',                 # original: greedy; 'beam'
       beam_size=3,
       alpha=0.0,                       # beam length penalty ((5+len)/6)^alpha; 0 = sum of log-probs
+      # > 0: the captioner's encoder runs this many pairs at a time in inference (same values;
+      # faster at paper size, docs/performance.md); 0: the whole batch at once.
+      encode_rows=0,
   ))
   return c
 

@@ -90,6 +90,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not isinstance(micro, int) or micro < 1 or tr.batch_size % micro:
       raise errors.UserError(f'config.{stage}.train.micro_batches is {micro!r}; it must be a '
                              f'positive integer dividing the batch size ({tr.batch_size})')
+  rows = config.caption.decoding.get('encode_rows', 0)
+  if not isinstance(rows, int) or rows < 0:
+    raise errors.UserError(f'config.caption.decoding.encode_rows is {rows!r}; it must be 0 (the '
+                           'whole batch at once) or a positive number of pairs')
   pt = config.pretrain.train
   if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '

@@ -17,6 +17,7 @@ from procap_jax import config_lib
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import vocab as vocab_lib
+from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import procedure_encoder
 from procap_jax.tasks import caption
 from procap_jax.tasks import caption_optimizer
@@ -310,6 +311,10 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
   tokens = caption.generate(params, constants, config, model, batch['before'], batch['after'],
                             FakeTokenizer())
   assert [vocab.decode(t) for t in tokens] == [CAPTIONS[int(t)] for t in batch['change_type']]
+  config.caption.decoding.encode_rows = 3  # 8 pairs: 3 + 3 + 2 and one padding copy
+  rows_tokens = caption.generate(params, constants, config, model, batch['before'],
+                                 batch['after'], FakeTokenizer())
+  np.testing.assert_array_equal(rows_tokens, tokens)
 
   state = type('State', (), {'params': params})()
   metrics = task.evaluate(state, constants, config, model, 'val', str(tmp_path), batches=[batch],
@@ -325,6 +330,23 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
   frames = caption.imagine_frames(params, constants, config, model, batch['before'][:2],
                                   batch['after'][:2], FakeTokenizer())
   assert frames.shape == (2, config.data.num_keyframes, 8, 8, 3)
+
+
+@pytest.mark.parametrize('rows', [1, 3, 5])
+def test_encode_memory_a_few_pairs_at_a_time_equals_the_whole_batch(rows):
+  batch, _, vocab = _toy_data(4)
+  config = _tiny_config(vocab.size)
+  model = caption.build_model(config)
+  params = nn.meta.unbox(_init(model, config, batch))
+  rng = np.random.default_rng(rows)  # 7 pairs: 3 + 3 + 1 and two padding copies at rows 3
+  before, after = (jnp.asarray(rng.normal(size=(7, 2, 2, 3)), jnp.float32) for _ in range(2))
+  whole = captioner_lib.encode_memory(model, params, before, after)
+  chunked = jax.jit(lambda p, b, a: captioner_lib.encode_memory(model, p, b, a, rows))(
+      params, before, after)
+  assert chunked.shape == whole.shape
+  np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+  # each pair's memory is its own: a pair's row differs from its neighbour's
+  assert float(jnp.abs(whole[0] - whole[1]).max()) > 1e-3
 
 
 def test_invalid_rows_do_not_count():

@@ -57,6 +57,7 @@ def test_unknown_variant_is_rejected():
     ('pretrain.train.micro_batches', 3, 'micro_batches'),  # does not divide the tiny batch 8
     ('pretrain.train.micro_batches', 0, 'micro_batches'),
     ('caption.train.micro_batches', 5, 'micro_batches'),
+    ('caption.decoding.encode_rows', -1, 'encode_rows'),
     ('data.encoder_text', 'bpe', 'encoder_text'),
 ])
 def test_bad_values(key, value, match):

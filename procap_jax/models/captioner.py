@@ -160,14 +160,15 @@ def from_config(config: Any) -> Captioner:
 
 def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,
              method: str = 'greedy', beam_size: int = 3, alpha: float = 0.0,
-             max_len: int = 24) -> jax.Array:
+             max_len: int = 24, encode_rows: int = 0) -> jax.Array:
   """Caption ids [B, max_len] ([BOS] first, [PAD] after [EOS]) for features [B, h, w, C].
 
-  The encoder runs once; the decoder then runs one position at a time on its KV cache inside a
-  single `lax.while_loop` (`decoding.greedy` or `decoding.beam_search`). Jit the caller.
+  The encoder runs once (`encode_rows` > 0: on that many pairs at a time, see `encode_memory`);
+  the decoder then runs one position at a time on its KV cache inside a single
+  `lax.while_loop` (`decoding.greedy` or `decoding.beam_search`). Jit the caller.
   """
   variables = {'params': params}
-  memory = model.apply(variables, before_feats, after_feats, method='encode')  # [B, M, H]
+  memory = encode_memory(model, params, before_feats, after_feats, encode_rows)  # [B, M, H]
   cache = model.apply(variables, memory, method='init_cache')
 
   def step(cache, token, pos):
@@ -181,3 +182,27 @@ def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats
     return decoding.beam_search(step, cache, before_feats.shape[0], beam_size=beam_size,
                                 alpha=alpha, **ids)[0]
   raise ValueError(f"decoding method must be 'greedy' or 'beam', got {method!r}")
+
+
+def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,
+                  after_feats: jax.Array, rows: int = 0) -> jax.Array:
+  """The decoder memory [B, M, H] of `Captioner.encode`, `rows` pairs at a time (0: all).
+
+  The same values (each pair's encoding depends on that pair alone); only the schedule
+  changes: the encoder's activations for a few pairs stay in cache, which XLA:CPU runs faster
+  than the whole batch at once (docs/performance.md, section "Inference"). A batch that `rows`
+  does not divide is padded with copies of its last pair, whose outputs are dropped.
+  """
+  b = before_feats.shape[0]
+  if rows <= 0 or rows >= b:
+    return model.apply({'params': params}, before_feats, after_feats, method='encode')
+  chunks = -(-b // rows)
+
+  def split(x):  # [B, ...] -> [chunks, rows, ...]
+    x = jnp.concatenate([x, jnp.repeat(x[-1:], chunks * rows - b, axis=0)])
+    return x.reshape((chunks, rows) + x.shape[1:])
+
+  memory = jax.lax.map(
+      lambda f: model.apply({'params': params}, f[0], f[1], method='encode'),
+      (split(before_feats), split(after_feats)))  # [chunks, rows, M, H]
+  return memory.reshape((chunks * rows,) + memory.shape[2:])[:b]

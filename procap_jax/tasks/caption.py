@@ -273,7 +273,7 @@ def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'tokenizer', 'method', 'beam_size',
-                                             'alpha', 'max_len'))
+                                             'alpha', 'max_len', 'encode_rows'))
 def _generate(params, tokenizer_params, pair, *, model, tokenizer, **settings):
   feats_b, feats_a = encodings.pair_features(tokenizer, tokenizer_params, pair)
   return captioner_lib.generate(model, params, feats_b, feats_a, **settings)  # [B, L]
@@ -303,7 +303,8 @@ def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, mo
   return np.asarray(_generate(
       nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
       tokenizer=tokenizer or vqgan_tokenizer(config), method=d.method,
-      beam_size=int(d.beam_size), alpha=float(d.alpha), max_len=int(config.caption.model.max_len)))
+      beam_size=int(d.beam_size), alpha=float(d.alpha), max_len=int(config.caption.model.max_len),
+      encode_rows=int(d.get('encode_rows', 0))))  # 0: a config saved before the setting
 
 
 def imagine_frames(params: Any, constants: dict, config: ml_collections.ConfigDict,
