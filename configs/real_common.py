@@ -61,19 +61,18 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
   p.text_vocab_size = 49408                      # CLIP BPE's ids (data.encoder_text)
   p.grid, p.feature_dim, p.codebook_size = (14, 14), 256, 1024  # T = num_keyframes + 2 = 4
-  # Memory and speed only (same values): the 12 blocks as a checkpointed scan, and attention
-  # for 2 (batch, head) pairs at a time (their scores stay in cache: stage 1 about 1.2x faster
-  # than attention in query chunks of 128, which bounded memory as well), take stage 1 at batch
-  # 8 from 27.3 to 3.7 GiB of compiled temporaries (docs/performance.md).
-  p.scan_blocks, p.attention_chunk, p.attention_group = True, 0, 2
-  # Speed (same values): the scan also keeps each block's dense outputs, and stages 1 and 2 run
-  # in micro-batches with accumulated gradients, stage 1 one sample (3 fused sequences) and
-  # stage 2 two pairs at a time (bf16 on the feature cache, stage 1 at batch 8: 49.0 s a step
-  # against 55.3 s in 4 micro-batches; stage 2 at batch 32: 56.5 s against 68.7 s; compiled
-  # temporaries 3.1 -> 2.1 and 3.9 -> 1.9 GiB; docs/performance.md). Stage 2's dropout then
-  # draws its masks per micro-batch. On a data-parallel mesh, each micro-batch's rows are what
-  # is spread over the devices: choose M so that batch_size / M covers them.
-  p.scan_keep_dense = True
+  # Speed and memory only (same values): attention for 2 (batch, head) pairs at a time (their
+  # scores stay in cache: stage 1 about 1.2x faster than attention in query chunks of 128,
+  # which bounded memory as well), and stages 1 and 2 in micro-batches with accumulated
+  # gradients, stage 1 one sample (3 fused sequences) and stage 2 two pairs at a time. With
+  # micro-batches this small the blocks run unrolled and keep their activations (no
+  # checkpointed scan): bf16 on the feature cache, stage 1 at batch 8 46.0 s a step against
+  # 48.7 s with the scan, stage 2 at batch 8 (in 4 micro-batches) 14.1 against 15.0 s; compiled
+  # temporaries 2.1 -> 1.9 and 1.8 -> 1.6 GiB (docs/performance.md). Stage 2's dropout draws
+  # its masks per micro-batch. On a data-parallel mesh, each micro-batch's rows are what is
+  # spread over the devices: choose M so that batch_size / M covers them, and with larger
+  # micro-batches set scan_blocks (and scan_keep_dense) back on to bound memory.
+  p.scan_blocks, p.attention_chunk, p.attention_group = False, 0, 2
   p.embedding_std = 1.0                          # the original's N(0, 1) tables (4.1)
   p.frame_difference = 'none'                    # the original's frame tokens (fidelity.md)
   config.pretrain.binary_inputs = 'masked'       # the original's binary-head inputs (4.4)
