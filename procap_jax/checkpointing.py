@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from procap_jax import config_lib
 from procap_jax import errors
 
 
@@ -156,12 +157,9 @@ _SHAPE_KEYS = {
     'caption': ('caption.model', 'pretrain.model', 'tokenizer.model', 'data.image_size',
                 'data.num_keyframes', 'data.name'),
 }
-# Model entries that change neither the parameters nor the values computed (memory only).
-_IGNORED_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blocks',
-                           'pretrain.model.scan_keep_dense',
-                           'pretrain.model.attention_chunk', 'pretrain.model.attention_group',
-                           # derived from data.num_keyframes (compared) since it left the config
-                           'pretrain.model.num_frames'})
+# Model entries that change neither the parameters nor the values computed, and num_frames,
+# derived from data.num_keyframes (compared) since it left the config.
+_IGNORED_KEYS = config_lib.SCHEDULE_ONLY_KEYS | {'pretrain.model.num_frames'}
 # Entries added to the schema after checkpoints existed whose value for those checkpoints (the
 # behaviour before the entry) differs from a shipped config's, so a checkpoint without them is
 # compared as if it had this value.

@@ -126,8 +126,22 @@ def check_encoder_text(config: ml_collections.ConfigDict) -> None:
 _FILLED_LATER = (('pretrain', 'text_vocab_size'), ('caption', 'vocab_size'))
 
 
+# Model entries that change neither the parameters nor the values computed (memory and speed
+# only): a run may resume, or a checkpoint load, with other values of them.
+SCHEDULE_ONLY_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blocks',
+                                'pretrain.model.scan_keep_dense', 'pretrain.model.attention_chunk',
+                                'pretrain.model.attention_group'})
+
+
+def _compared_model(section: str, model: dict, drop: tuple[str, ...] = ()) -> dict:
+  """`model` without its SCHEDULE_ONLY_KEYS and `drop` (a new dict)."""
+  return {k: v for k, v in model.items()
+          if f'{section}.model.{k}' not in SCHEDULE_ONLY_KEYS and k not in drop}
+
+
 def workdir_differences(saved: dict, current: dict) -> list[str]:
-  """The model/data entries (`data.<key>`, `<stage>.model`) in which two configs differ.
+  """The model/data entries (`data.<key>`, `<stage>.model`) in which two configs differ
+  (`SCHEDULE_ONLY_KEYS` left out).
 
   Args:
     saved: a run's config.json.
@@ -141,9 +155,9 @@ def workdir_differences(saved: dict, current: dict) -> list[str]:
       a = (saved.get(section) or {}).get(key, earlier)
       b = current[section][key]
       if key == 'model' and isinstance(a, dict):
-        if section == 'pretrain':  # a run from before T was derived from data.num_keyframes
-          a = {k: v for k, v in a.items() if k != 'num_frames'}
-        b = dict(b)
+        # a run from before T was derived from data.num_keyframes carries num_frames
+        a = _compared_model(section, a, ('num_frames',) if section == 'pretrain' else ())
+        b = _compared_model(section, b)
         for stage, size in _FILLED_LATER:
           if stage == section and not b.get(size) and size in a:
             b[size] = a[size]

@@ -92,6 +92,17 @@ def test_workdir_from_another_config(tmp_path):
   longer = synthetic.get_config('tiny')
   longer.caption.train.steps = 99
   config_lib.check_workdir(longer, str(tmp_path))
+  # So are the memory and speed switches (the paper presets changed scan_blocks).
+  scheduled = synthetic.get_config('tiny')
+  scheduled.pretrain.model.scan_blocks = not scheduled.pretrain.model.scan_blocks
+  scheduled.pretrain.model.scan_keep_dense = True
+  scheduled.pretrain.model.attention_group = 3
+  scheduled.pretrain.model.attention_chunk = 5
+  scheduled.pretrain.model.remat = True
+  config_lib.check_workdir(scheduled, str(tmp_path))
+  other.pretrain.model.scan_blocks = True  # and do not hide a real difference
+  with pytest.raises(errors.UserError, match='another config'):
+    config_lib.check_workdir(other, str(tmp_path))
 
 
 def test_unknown_override_key_exits_nonzero(tmp_path):
