@@ -250,7 +250,8 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       beam_size=3,
       alpha=0.0,                       # beam length penalty ((5+len)/6)^alpha; 0 = sum of log-probs
       # > 0: the captioner's encoder runs this many pairs at a time in inference (same values;
-      # faster at paper size, docs/performance.md); 0: the whole batch at once.
+      # faster at paper size, docs/performance.md; on a data-parallel mesh use a multiple of
+      # the data axis); 0: the whole batch at once.
       encode_rows=0,
   ))
   return c

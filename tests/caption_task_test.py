@@ -311,7 +311,7 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
   tokens = caption.generate(params, constants, config, model, batch['before'], batch['after'],
                             FakeTokenizer())
   assert [vocab.decode(t) for t in tokens] == [CAPTIONS[int(t)] for t in batch['change_type']]
-  config.caption.decoding.encode_rows = 3  # 8 pairs: 3 + 3 + 2 and one padding copy
+  config.caption.decoding.encode_rows = 3  # 8 pairs: 3 calls and one padding copy
   rows_tokens = caption.generate(params, constants, config, model, batch['before'],
                                  batch['after'], FakeTokenizer())
   np.testing.assert_array_equal(rows_tokens, tokens)
@@ -338,7 +338,7 @@ def test_encode_memory_a_few_pairs_at_a_time_equals_the_whole_batch(rows):
   config = _tiny_config(vocab.size)
   model = caption.build_model(config)
   params = nn.meta.unbox(_init(model, config, batch))
-  rng = np.random.default_rng(rows)  # 7 pairs: 3 + 3 + 1 and two padding copies at rows 3
+  rng = np.random.default_rng(rows)  # 7 pairs: at rows 3, 3 calls and two padding copies
   before, after = (jnp.asarray(rng.normal(size=(7, 2, 2, 3)), jnp.float32) for _ in range(2))
   whole = captioner_lib.encode_memory(model, params, before, after)
   chunked = jax.jit(lambda p, b, a: captioner_lib.encode_memory(model, p, b, a, rows))(

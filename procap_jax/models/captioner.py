@@ -190,19 +190,22 @@ def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,
 
   The same values (each pair's encoding depends on that pair alone); only the schedule
   changes: the encoder's activations for a few pairs stay in cache, which XLA:CPU runs faster
-  than the whole batch at once (docs/performance.md, section "Inference"). A batch that `rows`
-  does not divide is padded with copies of its last pair, whose outputs are dropped.
+  than the whole batch at once (docs/performance.md, section "Inference"). With C = ceil(B /
+  rows) calls, call j takes pairs j, j + C, j + 2C, ... (as training's micro-batches do), so
+  on a data-parallel mesh a call spreads over the devices when `rows` is a multiple of the
+  data axis. A batch that `rows` does not divide is padded with copies of its last pair, whose
+  outputs are dropped.
   """
   b = before_feats.shape[0]
   if rows <= 0 or rows >= b:
     return model.apply({'params': params}, before_feats, after_feats, method='encode')
-  chunks = -(-b // rows)
+  calls = -(-b // rows)
 
-  def split(x):  # [B, ...] -> [chunks, rows, ...]
-    x = jnp.concatenate([x, jnp.repeat(x[-1:], chunks * rows - b, axis=0)])
-    return x.reshape((chunks, rows) + x.shape[1:])
+  def split(x):  # [B, ...] -> [calls, rows, ...]; call j holds pairs j, j + calls, ...
+    x = jnp.concatenate([x, jnp.repeat(x[-1:], calls * rows - b, axis=0)])
+    return jnp.swapaxes(x.reshape((rows, calls) + x.shape[1:]), 0, 1)
 
   memory = jax.lax.map(
       lambda f: model.apply({'params': params}, f[0], f[1], method='encode'),
-      (split(before_feats), split(after_feats)))  # [chunks, rows, M, H]
-  return memory.reshape((chunks * rows,) + memory.shape[2:])[:b]
+      (split(before_feats), split(after_feats)))  # [calls, rows, M, H]
+  return jnp.swapaxes(memory, 0, 1).reshape((calls * rows,) + memory.shape[2:])[:b]
