@@ -177,6 +177,12 @@ def process_batch_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
   return first * per, (first + count) * per
 
 
+def interleaved_rows(x: jax.Array, groups: int) -> jax.Array:
+  """[B, ...] -> [groups, B / groups, ...]: group j holds rows j, j + groups, j + 2 groups, ...
+  (so a batch sharded over devices stays spread evenly over the groups). `groups` divides B."""
+  return x.reshape((x.shape[0] // groups, groups) + x.shape[1:]).swapaxes(0, 1)
+
+
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
   """Places a host batch (numpy) on the mesh, batch axis over 'data'.
 

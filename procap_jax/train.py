@@ -149,10 +149,7 @@ def compiler_options(mesh) -> dict | None:
 def micro_batch_rows(tree: Any, micro_batches: int) -> Any:
   """[B, ...] leaves -> [M, B / M, ...]: micro-batch j holds rows j, j + M, j + 2M, ... (so a
   batch sharded over devices stays spread evenly over the micro-batches)."""
-  def split(x):
-    b = x.shape[0]
-    return x.reshape((b // micro_batches, micro_batches) + x.shape[1:]).swapaxes(0, 1)
-  return jax.tree.map(split, tree)
+  return jax.tree.map(lambda x: sharding.interleaved_rows(x, micro_batches), tree)
 
 
 def accumulate_gradients(micro_loss: Callable[[Any, Any], tuple[jax.Array, dict]], params: Any,

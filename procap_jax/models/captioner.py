@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from procap_jax import config_lib
 from procap_jax import decoding
+from procap_jax import sharding
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import decoder as decoder_lib
 from procap_jax.models import layers
@@ -203,7 +204,7 @@ def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,
 
   def split(x):  # [B, ...] -> [calls, rows, ...]; call j holds pairs j, j + calls, ...
     x = jnp.concatenate([x, jnp.repeat(x[-1:], calls * rows - b, axis=0)])
-    return jnp.swapaxes(x.reshape((rows, calls) + x.shape[1:]), 0, 1)
+    return sharding.interleaved_rows(x, calls)
 
   memory = jax.lax.map(
       lambda f: model.apply({'params': params}, f[0], f[1], method='encode'),
