@@ -259,10 +259,7 @@ class Captioner:
     params, tokenizer_params, self.step = load_parameters(workdir, which, self.config, cache)
     model = _build_model(self.config)
     tokenizer = vqgan.frozen_from_config(self.config)
-    d = self.config.caption.decoding
-    settings = dict(method=d.method, beam_size=int(d.beam_size), alpha=float(d.alpha),
-                    max_len=int(self.config.caption.model.max_len),
-                    encode_rows=int(d.get('encode_rows', 0)))  # 0: a run saved before it
+    settings = config_lib.decoding_settings(self.config)
 
     def caption_ids(params, tokenizer_params, before, after):  # uint8 [B, S, S, 3] -> [B, L]
       n = before.shape[0]

@@ -100,6 +100,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
                            f'between 0 (no decay) and the {pt.steps} training steps')
 
 
+def decoding_settings(config: ml_collections.ConfigDict) -> dict:
+  """`captioner.generate`'s keyword arguments from `config.caption.decoding` (encode_rows 0
+  for a run saved before that setting existed)."""
+  d = config.caption.decoding
+  return dict(method=d.method, beam_size=int(d.beam_size), alpha=float(d.alpha),
+              max_len=int(config.caption.model.max_len),
+              encode_rows=int(d.get('encode_rows', 0)))
+
+
 def encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
   """The ProcedureEncoder's kwargs: `config.pretrain.model` with the frame count T derived from
   the one key that says how many frames are imagined, T = data.num_keyframes + 2 (before, k

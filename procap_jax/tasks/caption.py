@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 
 from procap_jax import checkpointing
+from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import evaluation
 from procap_jax import sharding
@@ -296,15 +297,12 @@ def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, mo
 
   `keyframe_features` [B, T, h, w, C] (the feature cache's batch key) replaces encoding the
   images: keyframes 0 and T-1 are the before and after images."""
-  d = config.caption.decoding
   pair = ({'before': before, 'after': after} if keyframe_features is None
           else {encodings.CACHED: keyframe_features})
   pair = sharding.place_eval_batch(pair, config)
   return np.asarray(_generate(
       nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
-      tokenizer=tokenizer or vqgan_tokenizer(config), method=d.method,
-      beam_size=int(d.beam_size), alpha=float(d.alpha), max_len=int(config.caption.model.max_len),
-      encode_rows=int(d.get('encode_rows', 0))))  # 0: a config saved before the setting
+      tokenizer=tokenizer or vqgan_tokenizer(config), **config_lib.decoding_settings(config)))
 
 
 def imagine_frames(params: Any, constants: dict, config: ml_collections.ConfigDict,
