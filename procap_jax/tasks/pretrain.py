@@ -229,7 +229,7 @@ def forward_logits(params: Any, config: ml_collections.ConfigDict, model: nn.Mod
   else:
     forwards = [(text, features, mask), (text, features, clear), (text_swapped, features, clear),
                 (text, features_neg, clear)]
-    fully_masked = jnp.zeros_like(fully_masked)  # no binary decision sees a masked frame
+  fully_masked = binary_fully_masked(config, fully_masked)
   if config.pretrain.fused_forwards:
     out = model.apply({'params': params}, *(jnp.concatenate(x) for x in zip(*forwards)),
                       use_rel=True)
@@ -240,6 +240,15 @@ def forward_logits(params: Any, config: ml_collections.ConfigDict, model: nn.Mod
   return dict(frame_logits=outs[0]['frame_logits'], token_mask=mask.reshape(b, -1),
               fully_masked=fully_masked, rel_pos=pos['rel_logit'], rel_neg=neg_rel['rel_logit'],
               vid_pos=pos['vid_logit'], vid_neg=neg_vid['vid_logit'])
+
+
+def binary_fully_masked(config: Any, fully_masked: jax.Array) -> jax.Array:
+  """bool [B]: the samples the binary losses leave out of their divisor. With
+  binary_inputs='masked' those whose frames the masking hid entirely (`fully_masked`); with
+  'visible' none, since no binary decision sees a masked frame."""
+  if config.pretrain.binary_inputs == 'visible':
+    return jnp.zeros_like(fully_masked)
+  return fully_masked
 
 
 def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
@@ -340,9 +349,7 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   x = forward_inputs(tokenizer_params, batch, rng, config, tokenizer)
   valid = jnp.asarray(batch['valid'], bool)  # [B]
   b, m = valid.shape[0], micro_batches
-  fully_masked = x['fully_masked']
-  if config.pretrain.binary_inputs == 'visible':  # as forward_logits: no binary input masked
-    fully_masked = jnp.zeros_like(fully_masked)
+  fully_masked = binary_fully_masked(config, x['fully_masked'])
   # The whole batch's divisors (what losses_from_sums would read from the summed statistics).
   divisors = dict(msm_count=jnp.sum(x['mask'].reshape(b, -1) & valid[:, None]).astype(jnp.float32),
                   included=jnp.sum(valid & ~fully_masked).astype(jnp.float32))
