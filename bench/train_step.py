@@ -41,6 +41,7 @@ one with the peak RSS of the process (which covers all of them), e.g.
 import argparse
 import ast
 import importlib
+import itertools
 import os
 import time
 
@@ -320,39 +321,32 @@ def main():
       if not name or not sep:
         parser.error(f'--variant {spec!r}: expected NAME:KEY=VALUE,... (NAME: for none)')
       variants[name] = [item for item in sets.split(',') if item]
-    for round_ in range(args.rounds):
-      for stage in stages:
-        for dtype in dtypes:
-          for record in run_variants(args.config, stage, args.steps, args.batch, dtype, args.set,
-                                     args.feature_cache == 'on', variants):
-            common.emit(dict(record, round=round_))
+    for round_, stage, dtype in itertools.product(range(args.rounds), stages, dtypes):
+      for record in run_variants(args.config, stage, args.steps, args.batch, dtype, args.set,
+                                 args.feature_cache == 'on', variants):
+        common.emit(dict(record, round=round_))
     return
   if args.feature_cache == 'alternate':
-    for round_ in range(args.rounds):
-      for stage in stages:
-        for dtype in dtypes:
-          for record in run_alternating(args.config, stage, args.steps, args.batch, dtype,
-                                        args.set):
-            common.emit(dict(record, round=round_))
+    for round_, stage, dtype in itertools.product(range(args.rounds), stages, dtypes):
+      for record in run_alternating(args.config, stage, args.steps, args.batch, dtype, args.set):
+        common.emit(dict(record, round=round_))
     return
   caches = {'off': (False,), 'on': (True,), 'both': (False, True)}[args.feature_cache]
   single = len(stages) == 1 and len(dtypes) == 1 and len(caches) == 1 and args.rounds == 1
-  for round_ in range(args.rounds):
-    for stage in stages:
-      for dtype in dtypes:
-        for cached in caches:
-          if args.in_process or single:
-            record = run(args.config, stage, args.steps, args.batch, dtype, args.set,
-                         args.compile_only, cached)
-            common.emit(dict(record, round=round_))
-            continue
-          child = ['--config', args.config, '--stage', stage, '--steps', str(args.steps),
-                   '--dtype', dtype, *(['--batch', str(args.batch)] if args.batch else []),
-                   *[f'--set={s}' for s in args.set],
-                   *(['--compile_only'] if args.compile_only else []),
-                   '--feature_cache', 'on' if cached else 'off']
-          for record in common.run_child('bench.train_step', child):
-            common.emit(dict(record, round=round_))
+  for round_, stage, dtype, cached in itertools.product(range(args.rounds), stages, dtypes,
+                                                        caches):
+    if args.in_process or single:
+      record = run(args.config, stage, args.steps, args.batch, dtype, args.set,
+                   args.compile_only, cached)
+      common.emit(dict(record, round=round_))
+      continue
+    child = ['--config', args.config, '--stage', stage, '--steps', str(args.steps),
+             '--dtype', dtype, *(['--batch', str(args.batch)] if args.batch else []),
+             *[f'--set={s}' for s in args.set],
+             *(['--compile_only'] if args.compile_only else []),
+             '--feature_cache', 'on' if cached else 'off']
+    for record in common.run_child('bench.train_step', child):
+      common.emit(dict(record, round=round_))
 
 
 if __name__ == '__main__':
