@@ -418,5 +418,4 @@ def merge_into(path: str, generated: str) -> str:
 
 
 if __name__ == '__main__':
-  import sys
   main(sys.argv[1:])

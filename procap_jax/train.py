@@ -350,7 +350,6 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   meta_base = {'config': config.to_dict(), 'stage': task.name}
 
   def save(step_now: int, best: bool, metrics_now: dict | None = None):
-    nonlocal best_value
     meta = dict(meta_base, step=step_now, best_value=best_value, metrics=metrics_now or {})
     ckpts.save(step_now, state, train_iter.get_state(), meta, best=best)
 

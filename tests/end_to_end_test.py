@@ -9,7 +9,6 @@ import os
 import numpy as np
 import pytest
 
-from procap_jax import errors
 from procap_jax import main
 from procap_jax import train
 
