@@ -8,9 +8,9 @@ Two parts, each alternating its forms over `--rounds` rounds (median and best se
   - `conv`: one 3x3 convolution of each shape the paper encoder runs (224 px x 128 channels down
     to 14 px x 512, 8 images; stride 2 for the downsamples) as the library's float32
     convolution (`lax`, what float32 models run), the library's with bfloat16 operands, and
-    `vqgan.conv_general_dilated` with bfloat16 operands (row bands for the stride-1 ones, the
-    float32 library form for the others), with GFLOP/s and the relative difference from
-    float32.
+    `vqgan.conv_general_dilated` with bfloat16 operands (row bands: the downsamples as the
+    model runs them, a right/bottom zero pad then a 'VALID' stride-2 convolution), with GFLOP/s
+    and the relative difference from float32.
   - `encode`: `encode_features` of `--images` random images through `vqgan.frozen(config,
     dtype)` for each of `--frozen_dtypes` (`config.tokenizer.frozen_dtype`), random parameters,
     with the features' relative difference (norm) from float32's and the codes' agreement.
@@ -36,7 +36,7 @@ from procap_jax.models import vqgan
 # (images, side, channels in, channels out, stride): the paper encoder's convolutions.
 PAPER_SHAPES = ((8, 224, 128, 128, 1), (8, 112, 128, 128, 1), (8, 56, 256, 256, 1),
                 (8, 28, 256, 256, 1), (8, 14, 512, 512, 1), (8, 224, 128, 128, 2),
-                (8, 56, 256, 256, 2))
+                (8, 112, 128, 128, 2), (8, 56, 256, 256, 2), (8, 28, 256, 256, 2))
 
 
 def _times(fns: dict, args: tuple, rounds: int) -> tuple[dict, dict]:
@@ -59,7 +59,9 @@ def convs(rounds: int) -> None:
   for n, side, cin, cout, stride in PAPER_SHAPES:
     x = jax.random.normal(jax.random.key(0), (n, side, side, cin))
     k = jax.random.normal(jax.random.key(1), (3, 3, cin, cout)) / np.sqrt(9 * cin)
-    padding = 'SAME' if stride == 1 else ((0, 1), (0, 1))  # the downsample's right/bottom pad
+    if stride == 2:  # the downsample: right/bottom zero pad, then 'VALID'
+      x = vqgan.pad_right_bottom(x)
+    padding = 'SAME' if stride == 1 else 'VALID'
     dims = jax.lax.conv_dimension_numbers(x.shape, k.shape, ('NHWC', 'HWIO', 'NHWC'))
 
     def library(a, w):

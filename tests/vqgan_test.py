@@ -255,19 +255,25 @@ def _library_conv(x, kernel, strides=(1, 1), padding='SAME'):
                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
-@pytest.mark.parametrize('shape,out', [((2, 12, 10, 32), 16), ((1, 7, 5, 40), 8)])
-def test_banded_conv3x3_matches_library_convolution(shape, out):
+@pytest.mark.parametrize('stride', [1, 2])
+@pytest.mark.parametrize('shape,out', [((2, 12, 10, 32), 16), ((1, 7, 5, 40), 8),
+                                       ((1, 13, 9, 32), 8)])
+def test_banded_conv3x3_matches_library_convolution(shape, out, stride):
+  # stride 2 is 'VALID' (the downsample after its right/bottom pad): odd and even sides.
   x = jax.random.normal(jax.random.key(0), shape)
   kernel = jax.random.normal(jax.random.key(1), (3, 3, shape[-1], out)) / 10
-  ref = _library_conv(x, kernel)
+  padding = 'SAME' if stride == 1 else 'VALID'
+  ref = _library_conv(x, kernel, (stride, stride), padding)
   scale = float(jnp.abs(ref).max())
-  for rows in [r for r in range(1, shape[1] + 1) if shape[1] % r == 0]:
-    got = vqgan._band_product(x, kernel, rows)
+  height = ref.shape[1]
+  for rows in [r for r in range(1, height + 1) if height % r == 0]:
+    got = vqgan._band_product(x, kernel, rows, stride)
     assert got.shape == ref.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, atol=1e-5 * scale, rtol=0)
   loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))  # noqa: E731
-  grads = jax.grad(loss(vqgan.banded_conv3x3), (0, 1))(x, kernel)
-  ref_grads = jax.grad(loss(_library_conv), (0, 1))(x, kernel)
+  grads = jax.grad(loss(lambda a, b: vqgan.banded_conv3x3(a, b, stride)), (0, 1))(x, kernel)
+  ref_grads = jax.grad(loss(lambda a, b: _library_conv(a, b, (stride, stride), padding)),
+                       (0, 1))(x, kernel)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g, r, atol=1e-5 * float(jnp.abs(r).max()), rtol=0)
 
@@ -294,12 +300,20 @@ def test_conv_general_dilated_routes_by_dtype_and_shape():
   banded = ours(xb, kb)
   assert banded.dtype == jnp.bfloat16
   np.testing.assert_array_equal(banded, vqgan.banded_conv3x3(xb, kb))
-  # other bfloat16 convolutions (here stride 2): the library's float32 form, result bf16.
-  strided = ours(xb, kb, (2, 2), 'VALID')
+  # bfloat16 3x3 stride 2 'VALID' (the downsample): the row bands too.
+  down = ours(xb, kb, (2, 2), 'VALID')
+  assert down.dtype == jnp.bfloat16 and down.shape == (1, 3, 3, 16)
+  np.testing.assert_array_equal(down, vqgan.banded_conv3x3(xb, kb, 2))
+  # other bfloat16 convolutions (here stride 2 'SAME', and a 1x1): the library's float32 form.
+  strided = ours(xb, kb, (2, 2), 'SAME')
   assert strided.dtype == jnp.bfloat16
   np.testing.assert_array_equal(strided, _library_conv(xb.astype(jnp.float32),
                                                        kb.astype(jnp.float32), (2, 2),
-                                                       'VALID').astype(jnp.bfloat16))
+                                                       'SAME').astype(jnp.bfloat16))
+  k1 = kb[1:2, 1:2]
+  np.testing.assert_array_equal(ours(xb, k1), _library_conv(xb.astype(jnp.float32),
+                                                           k1.astype(jnp.float32)
+                                                           ).astype(jnp.bfloat16))
 
 
 def test_bfloat16_frozen_tokenizer_tracks_float32():

@@ -40,6 +40,7 @@ against taming's own `VQModel` (docs/fidelity.md, "Weights from the original").
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -93,56 +94,80 @@ def _side_by_side(parts: list[jax.Array]) -> jax.Array:
   return lax.bitcast_convert_type(jnp.concatenate(bits, axis=-1), jnp.bfloat16)
 
 
-def _band_product(x: jax.Array, kernel: jax.Array, rows: int) -> jax.Array:
-  """3x3 'SAME' stride-1 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, H, W, O] as a
-  loop over `rows`-row bands of one image: each band lays its three column shifts side by side
-  ([R + 2, W, 3C], cache-sized) and sums three row-shifted products with the kernel's rows."""
+def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -> jax.Array:
+  """3x3 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, Ho, Wo, O] as a loop over
+  `rows`-row bands of one image's output: each band lays its three column taps side by side
+  ([rows of input, Wo, 3C], cache-sized) and sums three products with the kernel's rows.
+
+  stride 1: 'SAME' padding (Ho, Wo = H, W). stride 2: 'VALID' (Ho = (H - 3) // 2 + 1; the taming
+  downsample pads right and bottom first), read through an [H/2, 2, W/2, 2, C] view of the
+  input, so that every tap is a plain slice: input row 2i + d is (i, d) for d < 2, (i + 1, 0)
+  for d = 2, and the same for columns."""
   b, h, w, c = x.shape
   o = kernel.shape[-1]
-  xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # [B, H + 2, W + 2, C]
   taps = kernel.reshape(3, 3 * c, o)  # row i: (column j, channel) -> out
-  bands = h // rows
+  if stride == 1:
+    ho, wo = h, w
+    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # [B, H + 2, W + 2, C]
+    window = (rows + 2, wo + 2, c)
+
+    def operands(part):  # [R + 2, W + 2, C] -> three [R, W, 3C]
+      cols = _side_by_side([part[:, j:j + wo] for j in range(3)])
+      return [cols[i:i + rows] for i in range(3)]
+  else:
+    ho, wo = (h - 3) // 2 + 1, (w - 3) // 2 + 1
+    xp = jnp.pad(x, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)))
+    xp = xp.reshape(b, xp.shape[1] // 2, 2, xp.shape[2] // 2, 2, c)[:, :ho + 1, :, :wo + 1]
+    window = (rows + 1, 2, wo + 1, 2, c)
+
+    def operands(part):  # [R + 1, 2, Wo + 1, 2, C] -> three [R, Wo, 3C]
+      cols = [_side_by_side([p[:, :wo, 0], p[:, :wo, 1], p[:, 1:, 0]])
+              for p in (part[:, 0], part[:, 1])]
+      return [cols[0][:rows], cols[1][:rows], cols[0][1:]]
+  bands = ho // rows
 
   def band(index):
-    part = lax.dynamic_slice(xp, (index // bands, (index % bands) * rows, 0, 0),
-                             (1, rows + 2, w + 2, c))[0]  # [R + 2, W + 2, C]
-    cols = _side_by_side([part[:, j:j + w] for j in range(3)])  # [R + 2, W, 3C]
+    start = (index // bands, (index % bands) * rows) + (0,) * len(window[1:])
+    part = lax.dynamic_slice(xp, start, (1,) + window)[0]
     out = None
-    for i in range(3):
-      term = lax.dot_general(cols[i:i + rows], taps[i], (((2,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [R, W, O]
+    for lhs, tap in zip(operands(part), taps):
+      term = lax.dot_general(lhs, tap, (((2,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, Wo, O]
       out = term if out is None else out + term
     return out
 
-  return lax.map(band, jnp.arange(b * bands)).reshape(b, h, w, o)
+  return lax.map(band, jnp.arange(b * bands)).reshape(b, ho, wo, o)
 
 
-@jax.custom_vjp
-def banded_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """The 3x3 'SAME' stride-1 NHWC convolution in row bands, result in x's dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Array:
+  """The 3x3 NHWC convolution in row bands, result in x's dtype: stride 1 with 'SAME' padding, or
+  stride 2 with 'VALID' (the downsample's, after its right/bottom pad).
 
   Same values as `lax.conv_general_dilated` up to the summation order, accumulated in float32.
   On XLA:CPU it is faster than the library convolution for bfloat16 operands (which run no
   faster than float32 there) and slower for float32 ones, so `conv_general_dilated` takes it for
   bfloat16 only. The backward is the library convolution's, in float32."""
-  rows = band_rows(x.shape[1], x.shape[2], x.shape[3], x.dtype.itemsize)
-  return _band_product(x, kernel, rows).astype(x.dtype)
+  h, w, c = x.shape[1:]
+  out_h, out_w = (h, w) if stride == 1 else ((h - 3) // 2 + 1, (w - 3) // 2 + 1)
+  rows = band_rows(out_h, out_w, c, x.dtype.itemsize)
+  return _band_product(x, kernel, rows, stride).astype(x.dtype)
 
 
-def _library_conv3x3(x, kernel):
-  return lax.conv_general_dilated(x, kernel, (1, 1), 'SAME',
+def _library_conv3x3(x, kernel, stride=1):
+  return lax.conv_general_dilated(x, kernel, (stride, stride), 'SAME' if stride == 1 else 'VALID',
                                   dimension_numbers=lax.conv_dimension_numbers(
                                       x.shape, kernel.shape, _NHWC))
 
 
-def _banded_fwd(x, kernel):
-  return banded_conv3x3(x, kernel), (x, kernel)
+def _banded_fwd(x, kernel, stride):
+  return banded_conv3x3(x, kernel, stride), (x, kernel)
 
 
-def _banded_bwd(saved, g):
+def _banded_bwd(stride, saved, g):
   x, kernel = saved  # the library's float32 form (its bfloat16 one is no faster)
-  grads = jax.vjp(_library_conv3x3, x.astype(jnp.float32), kernel.astype(jnp.float32))[1](
-      g.astype(jnp.float32))
+  grads = jax.vjp(lambda a, k: _library_conv3x3(a, k, stride), x.astype(jnp.float32),
+                  kernel.astype(jnp.float32))[1](g.astype(jnp.float32))
   return tuple(d.astype(v.dtype) for d, v in zip(grads, saved))
 
 
@@ -151,18 +176,23 @@ banded_conv3x3.defvjp(_banded_fwd, _banded_bwd)
 
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                          dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
-  """`lax.conv_general_dilated` for nn.Conv, with bfloat16 3x3 'SAME' stride-1 convolutions of
-  at least 32 input channels computed by `banded_conv3x3` and the other bfloat16 ones in float32
-  (on XLA:CPU the library's bfloat16 convolutions run no faster than its float32 ones:
-  docs/performance.md, "The tokenizer's convolutions in row bands")."""
+  """`lax.conv_general_dilated` for nn.Conv, with bfloat16 3x3 convolutions of at least 32 input
+  channels computed by `banded_conv3x3` (stride 1 'SAME', and stride 2 'VALID': the downsample)
+  and the other bfloat16 ones in float32 (on XLA:CPU the library's bfloat16 convolutions run no
+  faster than its float32 ones: docs/performance.md, "The tokenizer's convolutions in row
+  bands")."""
+  strides = tuple(window_strides)
   banded = (lhs.dtype == jnp.bfloat16 and lhs.ndim == 4 and rhs.shape[:2] == (3, 3)
-            and rhs.shape[2] >= 32 and tuple(window_strides) == (1, 1)
-            and padding in ('SAME', ((1, 1), (1, 1))) and tuple(lhs_dilation or (1, 1)) == (1, 1)
+            and rhs.shape[2] >= 32
+            and ((strides == (1, 1) and padding in ('SAME', ((1, 1), (1, 1))))
+                 or (strides == (2, 2) and padding in ('VALID', ((0, 0), (0, 0)))
+                     and min(lhs.shape[1:3]) >= 3))
+            and tuple(lhs_dilation or (1, 1)) == (1, 1)
             and tuple(rhs_dilation or (1, 1)) == (1, 1) and feature_group_count == 1
             and not kwargs
             and dimension_numbers == lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC))
   if banded:
-    return banded_conv3x3(lhs, rhs)
+    return banded_conv3x3(lhs, rhs, strides[0])
   if lhs.dtype == jnp.bfloat16:  # the library's bf16 convolutions run no faster than float32
     return conv_general_dilated(lhs.astype(jnp.float32), rhs.astype(jnp.float32), window_strides,
                                 padding, lhs_dilation, rhs_dilation, dimension_numbers,
