@@ -316,6 +316,17 @@ def test_conv_general_dilated_routes_by_dtype_and_shape():
                                                            ).astype(jnp.bfloat16))
 
 
+def test_group_norm_statistics_in_one_pass_only_for_bfloat16():
+  # float32 models keep the two-pass variance (the original's values); bf16 ones read x once.
+  x = 10 + jax.random.normal(jax.random.key(0), (2, 8, 8, 32))
+  ref = (x - x.mean((1, 2), keepdims=True)) / jnp.sqrt(x.var((1, 2), keepdims=True) + 1e-6)
+  for dtype, one_pass in ((jnp.float32, False), (jnp.bfloat16, True)):
+    norm = vqgan.group_norm(32, 'n', dtype)  # 32 groups of one channel
+    assert norm.use_fast_variance == one_pass
+    got = norm.apply(norm.init(jax.random.key(1), x), x)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
 def test_bfloat16_frozen_tokenizer_tracks_float32():
   x = _images(2, 16)
   variables = _variables(vqgan.VQGAN(**WIDE), 16)
