@@ -8,9 +8,9 @@ Two parts, each alternating its forms over `--rounds` rounds (median and best se
   - `conv`: one 3x3 convolution of each shape the paper encoder runs (224 px x 128 channels down
     to 14 px x 512, 8 images; stride 2 for the downsamples) as the library's float32
     convolution (`lax`, what float32 models run), the library's with bfloat16 operands, and
-    `vqgan.conv_general_dilated` with bfloat16 operands (row bands: the downsamples as the
-    model runs them, a right/bottom zero pad then a 'VALID' stride-2 convolution), with GFLOP/s
-    and the relative difference from float32.
+    `vqgan.conv_general_dilated` with bfloat16 operands (row bands, Winograd products at 224
+    and 112 px; the downsamples as the model runs them, a right/bottom zero pad then a 'VALID'
+    stride-2 convolution), with GFLOP/s and the relative difference from float32.
   - `encode`: `encode_features` of `--images` random images through `vqgan.frozen(config,
     dtype)` for each of `--frozen_dtypes` (`config.tokenizer.frozen_dtype`), random parameters,
     with the features' relative difference (norm) from float32's and the codes' agreement.

@@ -207,8 +207,8 @@ def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Arra
   fewer multiplications, about 2.5 times the rounding of the plain bands in bfloat16 (its
   transformed tiles are rounded to x's dtype).
 
-  Same values as `lax.conv_general_dilated` up to the summation order, accumulated in float32.
-  On XLA:CPU it is faster than the library convolution for bfloat16 operands (which run no
+  The plain bands give `lax.conv_general_dilated`'s values up to the summation order,
+  accumulated in float32. On XLA:CPU it is faster than the library convolution for bfloat16 operands (which run no
   faster than float32 there) and slower for float32 ones, so `conv_general_dilated` takes it for
   bfloat16 only. The backward is the library convolution's, in float32."""
   h, w, c = x.shape[1:]
