@@ -95,6 +95,11 @@ def _side_by_side(parts: list[jax.Array]) -> jax.Array:
   return lax.bitcast_convert_type(jnp.concatenate(bits, axis=-1), jnp.bfloat16)
 
 
+def _band_out_side(side: int, stride: int) -> int:
+  """Output side of `_band_product`: 'SAME' keeps it at stride 1, 'VALID' at stride 2."""
+  return side if stride == 1 else (side - 3) // 2 + 1
+
+
 def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -> jax.Array:
   """3x3 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, Ho, Wo, O] as a loop over
   `rows`-row bands of one image's output: each band lays its three column taps side by side
@@ -107,8 +112,8 @@ def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -
   b, h, w, c = x.shape
   o = kernel.shape[-1]
   taps = kernel.reshape(3, 3 * c, o)  # row i: (column j, channel) -> out
+  ho, wo = _band_out_side(h, stride), _band_out_side(w, stride)
   if stride == 1:
-    ho, wo = h, w
     xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # [B, H + 2, W + 2, C]
     window = (rows + 2, wo + 2, c)
 
@@ -116,7 +121,6 @@ def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -
       cols = _side_by_side([part[:, j:j + wo] for j in range(3)])
       return [cols[i:i + rows] for i in range(3)]
   else:
-    ho, wo = (h - 3) // 2 + 1, (w - 3) // 2 + 1
     xp = jnp.pad(x, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)))
     xp = xp.reshape(b, xp.shape[1] // 2, 2, xp.shape[2] // 2, 2, c)[:, :ho + 1, :, :wo + 1]
     window = (rows + 1, 2, wo + 1, 2, c)
@@ -208,15 +212,14 @@ def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Arra
   transformed tiles are rounded to x's dtype).
 
   The plain bands give `lax.conv_general_dilated`'s values up to the summation order,
-  accumulated in float32. On XLA:CPU it is faster than the library convolution for bfloat16 operands (which run no
-  faster than float32 there) and slower for float32 ones, so `conv_general_dilated` takes it for
-  bfloat16 only. The backward is the library convolution's, in float32."""
+  accumulated in float32. On XLA:CPU it is faster than the library convolution for bfloat16
+  operands (which run no faster than float32 there) and slower for float32 ones, so
+  `conv_general_dilated` takes it for bfloat16 only. The backward is the library convolution's, in float32."""
   h, w, c = x.shape[1:]
   if stride == 1 and h % 2 == 0 and w % 2 == 0 and min(h, w) >= WINOGRAD_MIN_SIDE:
     rows = winograd_rows(h, w, c, x.dtype.itemsize)
     return _winograd_product(x, kernel, rows).astype(x.dtype)
-  out_h, out_w = (h, w) if stride == 1 else ((h - 3) // 2 + 1, (w - 3) // 2 + 1)
-  rows = band_rows(out_h, out_w, c, x.dtype.itemsize)
+  rows = band_rows(_band_out_side(h, stride), _band_out_side(w, stride), c, x.dtype.itemsize)
   return _band_product(x, kernel, rows, stride).astype(x.dtype)
 
 
