@@ -214,7 +214,8 @@ def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Arra
   The plain bands give `lax.conv_general_dilated`'s values up to the summation order,
   accumulated in float32. On XLA:CPU it is faster than the library convolution for bfloat16
   operands (which run no faster than float32 there) and slower for float32 ones, so
-  `conv_general_dilated` takes it for bfloat16 only. The backward is the library convolution's, in float32."""
+  `conv_general_dilated` takes it for bfloat16 only. The backward is the library convolution's,
+  in float32."""
   h, w, c = x.shape[1:]
   if stride == 1 and h % 2 == 0 and w % 2 == 0 and min(h, w) >= WINOGRAD_MIN_SIDE:
     rows = winograd_rows(h, w, c, x.dtype.itemsize)
