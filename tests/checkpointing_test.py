@@ -52,9 +52,9 @@ def test_one_process_saves_whole_shards_and_restores_the_values(tmp_path, monkey
 def test_orbax_default_would_slice_on_devices(tmp_path, monkeypatch):
   """The case the switch exists for: orbax's own handler splits replicated arrays (if a later
   orbax stops doing so, the switch is no longer needed)."""
-  checkpointing.StageCheckpoints(str(tmp_path / 'first')).close()  # our handler is registered
-  ours = ocp.type_handlers.get_type_handler(jax.Array)
-  monkeypatch.setattr(ours, '_use_replica_parallel', True)
+  checkpointing.StageCheckpoints(str(tmp_path / 'first')).close()  # switches the split off
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  monkeypatch.setattr(handler, '_use_replica_parallel', True)  # orbax's default, for this test
   calls = _slices_on_devices(monkeypatch)
   state, _ = _replicated_state()
   with ocp.StandardCheckpointer() as ckptr:
