@@ -361,14 +361,43 @@ def test_conv_general_dilated_routes_by_dtype_and_shape():
 
 
 def test_group_norm_statistics_in_one_pass_only_for_bfloat16():
-  # float32 models keep the two-pass variance (the original's values); bf16 ones read x once.
+  # float32 models keep flax's two-pass variance (the original's values); bf16 ones read x once.
   x = 10 + jax.random.normal(jax.random.key(0), (2, 8, 8, 32))
   ref = (x - x.mean((1, 2), keepdims=True)) / jnp.sqrt(x.var((1, 2), keepdims=True) + 1e-6)
   for dtype, one_pass in ((jnp.float32, False), (jnp.bfloat16, True)):
     norm = vqgan.group_norm(32, 'n', dtype)  # 32 groups of one channel
-    assert norm.use_fast_variance == one_pass
+    assert isinstance(norm, vqgan.ChannelSumsGroupNorm) == one_pass
+    assert one_pass or not norm.use_fast_variance
     got = norm.apply(norm.init(jax.random.key(1), x), x)
+    assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def _boxed(a) -> bool:
+  return isinstance(a, nn.Partitioned)
+
+
+@pytest.mark.parametrize('shape', [(2, 6, 10, 64), (3, 7, 96)])
+def test_channel_sums_group_norm_is_flax_one_pass_group_norm(shape):
+  """Same parameters (names, shapes, logical axes) and values as flax's GroupNorm with one-pass
+  statistics, groups of several channels, for 4-d and 3-d inputs and bf16 or float32 x."""
+  x = 3 + 2 * jax.random.normal(jax.random.key(0), shape)
+  ours = vqgan.ChannelSumsGroupNorm(vqgan.num_groups(shape[-1]))
+  flax_norm = nn.GroupNorm(num_groups=vqgan.num_groups(shape[-1]), epsilon=1e-6,
+                           use_fast_variance=True, dtype=jnp.float32,
+                           scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                  ('norm',)))
+  v_ours = ours.init(jax.random.key(1), x)
+  v_flax = flax_norm.init(jax.random.key(1), x)
+  assert jax.tree.map(lambda a: (a.value.shape, a.names), v_ours, is_leaf=_boxed) == \
+      jax.tree.map(lambda a: (a.value.shape, a.names), v_flax, is_leaf=_boxed)
+  params = {'params': {'scale': 0.5 + jnp.arange(shape[-1]) / shape[-1],
+                       'bias': jnp.linspace(-1, 1, shape[-1])}}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    xd = x.astype(dtype)
+    np.testing.assert_allclose(ours.apply(params, xd), flax_norm.apply(params, xd),
+                               atol=2e-5, rtol=1e-5)
 
 
 def test_bfloat16_frozen_tokenizer_tracks_float32():
