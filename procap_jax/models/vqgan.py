@@ -317,9 +317,9 @@ class ChannelSumsGroupNorm(nn.Module):
 def group_norm(channels: int, name: str, dtype: Any = jnp.float32) -> nn.Module:
   """taming's Normalize: GroupNorm(eps 1e-6, affine), computed in float32. Float32 models run
   flax's GroupNorm with two-pass statistics (the original's values); bfloat16 models (`dtype`)
-  `ChannelSumsGroupNorm`'s one pass (mean of x and of x squared): the second pass over each
-  activation was about 5 % of the bf16 encode's time (docs/performance.md, "The tokenizer's
-  convolutions in row bands")."""
+  `ChannelSumsGroupNorm`'s one pass (mean of x and of x squared, from per-channel sums): the
+  second pass and flax's layout of the reductions cost about 14 % of the bf16 encode's time
+  (docs/performance.md, "The tokenizer's convolutions in row bands")."""
   if dtype == jnp.bfloat16:
     return ChannelSumsGroupNorm(num_groups(channels), name=name)
   return nn.GroupNorm(num_groups=num_groups(channels), epsilon=1e-6, dtype=jnp.float32,
