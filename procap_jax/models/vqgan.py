@@ -100,6 +100,16 @@ def _band_out_side(side: int, stride: int) -> int:
   return side if stride == 1 else (side - 3) // 2 + 1
 
 
+def _map_bands(xp: jax.Array, window: tuple, rows: int, bands: int, body) -> jax.Array:
+  """`body` of each band's window of the padded images xp, stacked over B x bands (a `lax.map`):
+  band j of image i is the `window` that starts at row j * rows of xp[i]."""
+  def band(index):
+    start = (index // bands, (index % bands) * rows) + (0,) * len(window[1:])
+    return body(lax.dynamic_slice(xp, start, (1,) + window)[0])
+
+  return lax.map(band, jnp.arange(xp.shape[0] * bands))
+
+
 def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -> jax.Array:
   """3x3 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, Ho, Wo, O] as a loop over
   `rows`-row bands of one image's output: each band lays its three column taps side by side
@@ -129,11 +139,8 @@ def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -
       cols = [_side_by_side([p[:, :wo, 0], p[:, :wo, 1], p[:, 1:, 0]])
               for p in (part[:, 0], part[:, 1])]
       return [cols[0][:rows], cols[1][:rows], cols[0][1:]]
-  bands = ho // rows
 
-  def band(index):
-    start = (index // bands, (index % bands) * rows) + (0,) * len(window[1:])
-    part = lax.dynamic_slice(xp, start, (1,) + window)[0]
+  def band(part):
     out = None
     for lhs, tap in zip(operands(part), taps):
       term = lax.dot_general(lhs, tap, (((2,), (0,)), ((), ())),
@@ -141,7 +148,7 @@ def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -
       out = term if out is None else out + term
     return out
 
-  return lax.map(band, jnp.arange(b * bands)).reshape(b, ho, wo, o)
+  return _map_bands(xp, window, rows, ho // rows, band).reshape(b, ho, wo, o)
 
 
 # Winograd F(2x2, 3x3) (Lavin and Gray, 2016): a 2x2 output tile is A^T [U * V] A with
@@ -179,11 +186,9 @@ def _winograd_product(x: jax.Array, kernel: jax.Array, rows: int) -> jax.Array:
   u = jnp.einsum('ai,ijco,bj->abco', _WINOGRAD_G, kernel.astype(jnp.float32),
                  _WINOGRAD_G).astype(x.dtype)  # [4, 4, C, O]
   xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
-  bands = h // rows
 
-  def band(index):
-    part = lax.dynamic_slice(xp, (index // bands, (index % bands) * rows, 0, 0),
-                             (1, rows + 2, w + 2, c))[0].astype(jnp.float32)
+  def band(part):  # [R + 2, W + 2, C]
+    part = part.astype(jnp.float32)
     even, odd = part[0::2], part[1::2]  # [R/2 + 1, W + 2, C]
     v = []
     for line in _winograd_lines(even[:-1], odd[:-1], even[1:], odd[1:]):  # [R/2, W + 2, C]
@@ -200,7 +205,7 @@ def _winograd_product(x: jax.Array, kernel: jax.Array, rows: int) -> jax.Array:
     y = jnp.stack([jnp.stack(back(r), axis=2) for r in back(m)], axis=1)  # [R/2, 2, W/2, 2, O]
     return y.reshape(rows, w, o)
 
-  return lax.map(band, jnp.arange(b * bands)).reshape(b, h, w, o)
+  return _map_bands(xp, (rows + 2, w + 2, c), rows, h // rows, band).reshape(b, h, w, o)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
