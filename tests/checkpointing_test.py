@@ -62,3 +62,41 @@ def test_orbax_default_would_slice_on_devices(tmp_path, monkeypatch):
   if not calls:
     pytest.skip('this orbax does not split replicated arrays on save')
   assert len(calls) >= 2
+
+
+def test_stage_variables_are_the_saved_params_and_model_state_without_the_optimiser(
+    tmp_path, monkeypatch):
+  """`load_stage_variables` restores params and model_state (sharded over 8 devices when saved)
+  to host arrays of their values and dtypes, and leaves the optimiser state on disk."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ('data', 'model'))
+  sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data', 'model'))
+  params = {'dense': {'kernel': jnp.arange(64.0).reshape(8, 8), 'bias': jnp.ones((8,))},
+            'embed': jnp.full((4, 8), 0.5, jnp.bfloat16)}
+  params = {'dense': jax.device_put(params['dense'], jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec())), 'embed': jax.device_put(params['embed'], sharded)}
+  state = {'params': params, 'model_state': {'codebook_usage': jnp.arange(5, dtype=jnp.int32)},
+           'opt_state': {'mu': jax.tree.map(jnp.zeros_like, params),
+                         'count': jnp.asarray(7, jnp.int32)},
+           'step': jnp.asarray(7, jnp.int32)}
+  ckpts = checkpointing.StageCheckpoints(str(tmp_path / 'W' / 'pretrain'))
+  ckpts.save(7, state, {}, {'step': 7}, best=True)
+  ckpts.close()
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  read, deserialize = [], handler.deserialize
+
+  async def recording(infos, args=None):
+    read.extend(info.name for info in infos)
+    return await deserialize(infos, args)
+
+  monkeypatch.setattr(handler, 'deserialize', recording)
+  loaded = checkpointing.load_stage_variables(str(tmp_path / 'W'), 'pretrain')
+  assert read and not [name for name in read if 'opt_state' in name or name == 'step'], read
+  assert sorted(loaded) == ['model_state', 'params', 'step'] and loaded['step'] == 7
+  for want, got in ((state['params'], loaded['params']),
+                    (state['model_state'], loaded['model_state'])):
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      assert isinstance(b, np.ndarray) and b.dtype == a.dtype
+      np.testing.assert_array_equal(b, np.asarray(a))
+  with pytest.raises(Exception, match='no caption checkpoint'):
+    checkpointing.load_stage_variables(str(tmp_path / 'W'), 'caption')
