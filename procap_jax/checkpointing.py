@@ -136,9 +136,9 @@ def _variables_target(state_dir: str) -> dict:
   """The saved `params` and `model_state` subtrees, every leaf `RestoreArgs` of a numpy array.
 
   The key paths come from orbax's tree metadata file (`_METADATA`, JSON) when it has the form
-  known here (nested dicts, as flax variables are); reading it is 4-6 times faster than orbax's
-  metadata call, which opens every array (docs/performance.md, "Checkpoint saving in one
-  process"). Any other form goes through that call."""
+  known here (nested dicts, as flax variables are), instead of orbax's metadata call, which opens
+  every saved array and took most of a small checkpoint's load (docs/performance.md, "Loading a
+  finished stage's variables"). Any other form goes through that call."""
   leaf = ocp.RestoreArgs(restore_type=np.ndarray)
   target = {}
   try:

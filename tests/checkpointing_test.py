@@ -7,6 +7,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from procap_jax import checkpointing
+from procap_jax import errors
 
 
 def _replicated_state():
@@ -111,7 +112,7 @@ def test_stage_variables_are_the_saved_params_and_model_state_without_the_optimi
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       assert isinstance(b, np.ndarray) and b.dtype == a.dtype
       np.testing.assert_array_equal(b, np.asarray(a))
-  with pytest.raises(Exception, match='no caption checkpoint'):
+  with pytest.raises(errors.UserError, match='no caption checkpoint'):
     checkpointing.load_stage_variables(str(tmp_path / 'W'), 'caption')
 
 
