@@ -4,7 +4,8 @@ r"""bfloat16 against float32: the training losses of two runs of the same config
       "--config.stages=('tokenizer','pretrain')"
   python -m procap_jax.main --config configs/synthetic.py --workdir BF16 \
       "--config.stages=('tokenizer','pretrain')" --config.compute_dtype=bfloat16
-  python -m bench.precision_curves --a F32 --b BF16 --stage pretrain --out curves.png
+  python -m bench.precision_curves --a F32 --b BF16 --stage pretrain --out curves.png \
+      --labels float32,bfloat16
 
 (The runs may share a finished tokenizer stage: copy F32/tokenizer into BF16 first.) Prints one
 JSON line per loss: the mean over the last quarter of the logged steps for each run and their
@@ -39,15 +40,21 @@ def main():
   parser.add_argument('--b', required=True, help='workdir of the compared run (bfloat16)')
   parser.add_argument('--stage', default='pretrain')
   parser.add_argument('--out', required=True, help='PNG to write')
+  parser.add_argument('--labels', default='',
+                      help='legend names "A,B" (default: the workdirs\' folder names)')
   args = parser.parse_args()
+  names = args.labels.split(',') if args.labels else [
+      os.path.basename(os.path.normpath(w)) for w in (args.a, args.b)]
+  if len(names) != 2:
+    raise SystemExit(f'error: --labels takes two names separated by a comma, got {args.labels!r}')
   a, b = _train_curves(args.a, args.stage), _train_curves(args.b, args.stage)
   keys = [k for k in a if k in b]
   fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False)
   for ax, k in zip(axes[0], keys):
     steps = sorted(set(a[k]) & set(b[k]))
     va, vb = np.array([a[k][s] for s in steps]), np.array([b[k][s] for s in steps])
-    ax.plot(steps, va, label=os.path.basename(os.path.normpath(args.a)))
-    ax.plot(steps, vb, '--', label=os.path.basename(os.path.normpath(args.b)))
+    ax.plot(steps, va, label=names[0])
+    ax.plot(steps, vb, '--', label=names[1])
     ax.set_title(f'{args.stage}: {k}', fontsize=9)
     ax.set_xlabel('step')
     ax.legend(fontsize=7)
