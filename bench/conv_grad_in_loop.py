@@ -8,7 +8,9 @@ checkpointed `lax.map` (`procap_jax.tasks.tokenizer.chunked_frame_terms`), the l
 bounds its memory. This times the gradient of one 3x3 'SAME' float32 convolution with respect to
 its kernel (`dw`) and to its input (`dx`) on `--images` images, one image per loop iteration
 against the same images as separate calls in one program, and prints one JSON line per form
-(median seconds over `--rounds`).
+(median seconds over `--rounds`). `products_dw` is the loop again with the kernel gradient
+written as nine products over the pixels (one per tap of the 3x3 kernel, each a padded input
+window against the output gradient), the form a fix would give the tokenizer's convolutions.
 """
 
 import argparse
@@ -42,8 +44,21 @@ def main():
   def unrolled(w, xs):
     return sum(loss(w, xs[i]) for i in range(xs.shape[0]))
 
+  def products_dw(w, xs):
+    def one(xi):  # the kernel gradient of loss(w, xi), tap by tap
+      y = jax.lax.conv_general_dilated(xi, w, (1, 1), 'SAME',
+                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+      g = 2.0 * y  # d loss / d y
+      xp = jnp.pad(xi, ((0, 0), (1, 1), (1, 1), (0, 0)))
+      s = xi.shape[1]
+      taps = [jnp.einsum('nhwi,nhwo->io', xp[:, a:a + s, b:b + s], g)
+              for a in range(3) for b in range(3)]
+      return jnp.stack(taps).reshape(w.shape)
+    return jnp.sum(jax.lax.map(one, xs), axis=0)
+
   forms = {f'{name}_{wrt}': jax.jit(jax.grad(fn, argnums=0 if wrt == 'dw' else 1))
            for wrt in ('dw', 'dx') for name, fn in (('unrolled', unrolled), ('loop', looped))}
+  forms['products_dw'] = jax.jit(products_dw)
   outs = {name: jax.block_until_ready(fn(kernel, x)) for name, fn in forms.items()}  # compiles
   times = {name: [] for name in forms}
   for _ in range(args.rounds):
@@ -52,7 +67,7 @@ def main():
       jax.block_until_ready(fn(kernel, x))
       times[name].append(time.perf_counter() - t0)
   for name, ts in times.items():
-    ref = outs[name.replace('loop', 'unrolled')]
+    ref = outs['unrolled_dw' if name == 'products_dw' else name.replace('loop', 'unrolled')]
     rel = float(np.linalg.norm(np.asarray(outs[name]) - np.asarray(ref)) / np.linalg.norm(ref))
     print(json.dumps({'bench': 'conv_grad_in_loop', 'form': name, 'side': args.side,
                       'channels': c, 'images': n, 'step_s': float(np.median(ts)),
