@@ -33,10 +33,12 @@ def main():
   kernel = jax.random.normal(jax.random.key(1), (3, 3, c, c)) / np.sqrt(9 * c)
   x = jax.random.normal(jax.random.key(0), (n, 1, args.side, args.side, c))
 
-  def loss(w, xi):  # xi [1, S, S, C]
-    y = jax.lax.conv_general_dilated(xi, w, (1, 1), 'SAME',
-                                     dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-    return jnp.sum(y ** 2)
+  def conv(w, xi):  # xi [1, S, S, C]
+    return jax.lax.conv_general_dilated(xi, w, (1, 1), 'SAME',
+                                        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+  def loss(w, xi):
+    return jnp.sum(conv(w, xi) ** 2)
 
   def looped(w, xs):
     return jnp.sum(jax.lax.map(lambda xi: loss(w, xi), xs))
@@ -46,9 +48,7 @@ def main():
 
   def products_dw(w, xs):
     def one(xi):  # the kernel gradient of loss(w, xi), tap by tap
-      y = jax.lax.conv_general_dilated(xi, w, (1, 1), 'SAME',
-                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-      g = 2.0 * y  # d loss / d y
+      g = 2.0 * conv(w, xi)  # d loss / d y
       xp = jnp.pad(xi, ((0, 0), (1, 1), (1, 1), (0, 0)))
       s = xi.shape[1]
       taps = [jnp.einsum('nhwi,nhwo->io', xp[:, a:a + s, b:b + s], g)
