@@ -3,6 +3,7 @@ r"""The frozen tokenizer's convolutions and encode, float32 against bfloat16 (ro
   python -m bench.tokenizer_speed                        # paper tokenizer, 16 images, all shapes
   python -m bench.tokenizer_speed --images 64 --skip_convs
   python -m bench.tokenizer_speed --config configs/synthetic.py --images 64
+  python -m bench.tokenizer_speed --workdir W --images 1024 --skip_convs   # a run's tokenizer
 
 Two parts, each alternating its forms over `--rounds` rounds (median and best seconds):
   - `conv`: one 3x3 convolution of each shape the paper encoder runs (224 px x 128 channels down
@@ -88,11 +89,36 @@ def convs(rounds: int) -> None:
           'rel_diff': _rel(outs[name], outs['library_f32']), 'rounds': rounds}), flush=True)
 
 
-def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...]) -> None:
-  config = bench_step.load_config(config_spec, [])
-  params = stand_ins.random_tokenizer(config)
+def _trained(workdir: str, images: int) -> tuple:
+  """(config, tokenizer params, the first `images` test keyframes in [0, 1]) of a run."""
+  from procap_jax import caption
+  from procap_jax import checkpointing
+  from procap_jax.data import pipeline
+  from procap_jax.tasks import encodings
+  config = caption.load_run_config(workdir)
+  params = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
+  frames = []
+  for batch in pipeline.make_eval_iterator(config, 'test', workdir, 64):
+    frames.extend(batch['keyframes'].reshape((-1,) + batch['keyframes'].shape[2:]))
+    if len(frames) >= images:
+      break
+  return config, params, encodings.images01(np.stack(frames[:images]))
+
+
+def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
+           workdir: str = '') -> None:
+  if workdir:
+    from procap_jax import errors
+    try:
+      config, params, x = _trained(workdir, images)
+    except errors.UserError as e:
+      raise SystemExit(f'error: {e}') from None
+  else:
+    config = bench_step.load_config(config_spec, [])
+    params = stand_ins.random_tokenizer(config)
+    side = int(config.tokenizer.model.resolution)
+    x = jax.random.uniform(jax.random.key(0), (images, side, side, 3))
   side = int(config.tokenizer.model.resolution)
-  x = jax.random.uniform(jax.random.key(0), (images, side, side, 3))
   tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
   fns = {d: jax.jit(t.encode_features) for d, t in tokenizers.items()}
   times, outs = _times(fns, (params, x), rounds)
@@ -100,7 +126,7 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...]) 
   ref = 'float32' if 'float32' in outs else None
   for name, ts in times.items():
     print(json.dumps({
-        'bench': 'tokenizer_speed', 'part': 'encode', 'config': config_spec,
+        'bench': 'tokenizer_speed', 'part': 'encode', 'config': workdir or config_spec,
         'frozen_dtype': name, 'images': images, 'side': side,
         'step_s': float(np.median(ts)), 'step_s_best': float(np.min(ts)),
         'features_rel_diff': _rel(outs[name], outs[ref]) if ref else None,
@@ -114,12 +140,16 @@ def main():
   parser.add_argument('--images', type=int, default=16)
   parser.add_argument('--rounds', type=int, default=2)
   parser.add_argument('--skip_convs', action='store_true')
+  parser.add_argument('--workdir', default='',
+                      help="a run's workdir: its trained tokenizer on its first --images test "
+                           'keyframes instead of random weights and images (--config unused)')
   parser.add_argument('--frozen_dtypes', default='float32,bfloat16',
                       help='comma-separated, in this order (float32 first for the differences)')
   args = parser.parse_args()
   if not args.skip_convs:
     convs(args.rounds)
-  encode(args.config, args.images, args.rounds, tuple(args.frozen_dtypes.split(',')))
+  encode(args.config, args.images, args.rounds, tuple(args.frozen_dtypes.split(',')),
+         args.workdir)
 
 
 if __name__ == '__main__':
