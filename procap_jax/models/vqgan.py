@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from procap_jax.models import conv_grads
+
 CONV_AXES = (None, None, 'conv_in', 'conv_out')
 # PyTorch's default Conv2d initialisation (kaiming_uniform with a = sqrt(5)).
 _conv_init = nn.initializers.variance_scaling(1.0 / 3.0, 'fan_in', 'uniform')
@@ -208,8 +210,8 @@ def _winograd_product(x: jax.Array, kernel: jax.Array, rows: int) -> jax.Array:
   return _map_bands(xp, (rows + 2, w + 2, c), rows, h // rows, band).reshape(b, h, w, o)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Array:
+def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1,
+                   products: bool | None = None) -> jax.Array:
   """The 3x3 NHWC convolution in row bands, result in x's dtype: stride 1 with 'SAME' padding, or
   stride 2 with 'VALID' (the downsample's, after its right/bottom pad). Stride-1 convolutions of
   even sides of at least WINOGRAD_MIN_SIDE run as Winograd F(2x2, 3x3) products: 2.25 times
@@ -219,8 +221,17 @@ def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Arra
   The plain bands give `lax.conv_general_dilated`'s values up to the summation order,
   accumulated in float32. On XLA:CPU it is faster than the library convolution for bfloat16
   operands (which run no faster than float32 there) and slower for float32 ones, so
-  `conv_general_dilated` takes it for bfloat16 only. The backward is the library convolution's,
-  in float32."""
+  `conv_general_dilated` takes it for bfloat16 only. The backward is in float32: `conv_grads`'
+  products when `products` is true (None: where `conv_grads.wanted`), else the library's."""
+  if products is None:
+    out = _band_out_side(x.shape[1], stride), _band_out_side(x.shape[2], stride)
+    products = conv_grads.wanted(*out)
+  return _banded(x, kernel, stride, bool(products))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _banded(x, kernel, stride, products):
+  del products  # the backward's choice
   h, w, c = x.shape[1:]
   if stride == 1 and h % 2 == 0 and w % 2 == 0 and min(h, w) >= WINOGRAD_MIN_SIDE:
     rows = winograd_rows(h, w, c, x.dtype.itemsize)
@@ -229,24 +240,27 @@ def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Arra
   return _band_product(x, kernel, rows, stride).astype(x.dtype)
 
 
-def _library_conv3x3(x, kernel, stride=1):
-  return lax.conv_general_dilated(x, kernel, (stride, stride), 'SAME' if stride == 1 else 'VALID',
-                                  dimension_numbers=lax.conv_dimension_numbers(
-                                      x.shape, kernel.shape, _NHWC))
+def _banded_fwd(x, kernel, stride, products):
+  return _banded(x, kernel, stride, products), (x, kernel)
 
 
-def _banded_fwd(x, kernel, stride):
-  return banded_conv3x3(x, kernel, stride), (x, kernel)
-
-
-def _banded_bwd(stride, saved, g):
-  x, kernel = saved  # the library's float32 form (its bfloat16 one is no faster)
-  grads = jax.vjp(lambda a, k: _library_conv3x3(a, k, stride), x.astype(jnp.float32),
-                  kernel.astype(jnp.float32))[1](g.astype(jnp.float32))
+def _banded_bwd(stride, products, saved, g):
+  x, kernel = saved  # in float32 (the library's bfloat16 convolutions are no faster)
+  x, kernel, g = (v.astype(jnp.float32) for v in (x, kernel, g))
+  strides = (stride, stride)
+  pads = conv_grads.explicit_pads(x.shape, kernel.shape, strides,
+                                  'SAME' if stride == 1 else 'VALID')
+  if products:
+    grads = (conv_grads.input_grad(g, kernel, x.shape, strides, pads),
+             conv_grads.kernel_grad(x, g, kernel.shape, strides, pads))
+  else:
+    grads = jax.vjp(lambda a, k: lax.conv_general_dilated(
+        a, k, strides, pads, dimension_numbers=lax.conv_dimension_numbers(
+            a.shape, k.shape, _NHWC)), x, kernel)[1](g)
   return tuple(d.astype(v.dtype) for d, v in zip(grads, saved))
 
 
-banded_conv3x3.defvjp(_banded_fwd, _banded_bwd)
+_banded.defvjp(_banded_fwd, _banded_bwd)
 
 
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
@@ -255,7 +269,8 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
   channels computed by `banded_conv3x3` (stride 1 'SAME', and stride 2 'VALID': the downsample)
   and the other bfloat16 ones in float32 (on XLA:CPU the library's bfloat16 convolutions run no
   faster than its float32 ones: docs/performance.md, "The tokenizer's convolutions in row
-  bands")."""
+  bands"). Float32 ones run the library's forward, with `conv_grads`' backward where
+  `conv_grads.wanted` (inside the tokenizer's chunk loop, and on large images)."""
   strides = tuple(window_strides)
   banded = (lhs.dtype == jnp.bfloat16 and lhs.ndim == 4 and rhs.shape[:2] == (3, 3)
             and rhs.shape[2] >= 32
@@ -272,6 +287,13 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     return conv_general_dilated(lhs.astype(jnp.float32), rhs.astype(jnp.float32), window_strides,
                                 padding, lhs_dilation, rhs_dilation, dimension_numbers,
                                 feature_group_count, precision, **kwargs).astype(lhs.dtype)
+  if conv_grads.supported(lhs, rhs, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                         feature_group_count, kwargs):
+    pads = conv_grads.explicit_pads(lhs.shape, rhs.shape, strides, padding)
+    out = [conv_grads.out_side(lhs.shape[1 + i], rhs.shape[i], strides[i], pads[i])
+           for i in range(2)]
+    if conv_grads.wanted(*out):  # the library's values, faster gradients
+      return conv_grads.conv(lhs, rhs, strides, pads)
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
                                   rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                                   feature_group_count=feature_group_count, precision=precision,

@@ -58,6 +58,7 @@ from procap_jax import errors
 from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
+from procap_jax.models import conv_grads
 from procap_jax.models import vqgan
 
 PSNR_MSE_FLOOR = 1e-10  # a perfect reconstruction scores 10 * log10(1 / 1e-10) = 100 dB
@@ -232,7 +233,8 @@ def chunked_frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
     frames, rng = args
     return _frame_terms(params, frames, rng, config, model)
 
-  means, per_frame = jax.lax.map(body, (chunks, rngs))
+  with conv_grads.in_loop():  # the library's convolution gradients crawl inside loops
+    means, per_frame = jax.lax.map(body, (chunks, rngs))
   means = jax.tree.map(lambda v: jnp.mean(v, axis=0), means)
   per_frame = jax.tree.map(lambda v: v.reshape((f,) + v.shape[2:]), per_frame)  # [F, ...]
   return means, per_frame
