@@ -7,10 +7,11 @@ For each convolution shape the paper tokenizer (4 frames of 224 px, the `frames_
 paper presets) and the synthetic default (16 frames of 64 px) train, times the gradient of a
 float32 convolution with respect to its input and kernel, as `jax.lax.conv_general_dilated`
 derives it (`library`) and as `procap_jax.models.conv_grads.conv` computes it (`products`), once
-on one batch (`unrolled`) and once inside a `lax.map` over `--iterations` batches (`loop`, as the
-chunked train step runs them), and prints one JSON line per shape and place: median seconds over
-`--rounds` and their ratio. `procap_jax.models.conv_grads.MIN_PIXELS` comes from the unrolled
-rows.
+on the batch (`unrolled`) and once inside a `lax.map` over `--iterations` batches of
+`--loop_batch` images (`loop`, as the chunked train step runs its chunks; the library's form
+takes minutes there at 224 px, hence the smaller default), and prints one JSON line per shape and
+place: median seconds over `--rounds` and their ratio. `procap_jax.models.conv_grads.MIN_PIXELS`
+comes from the unrolled rows.
 """
 
 import argparse
@@ -53,6 +54,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--where', choices=['unrolled', 'loop', 'both'], default='both')
   parser.add_argument('--iterations', type=int, default=2, help='lax.map iterations (loop)')
+  parser.add_argument('--loop_batch', type=int, default=1, help='images per iteration (loop)')
   parser.add_argument('--rounds', type=int, default=2)
   args = parser.parse_args()
   places = ['unrolled', 'loop'] if args.where == 'both' else [args.where]
@@ -62,6 +64,7 @@ def main():
       pads = conv_grads.explicit_pads((n, side, side, ci), (3, 3), strides,
                                       'SAME' if stride == 1 else 'VALID')
       lead = (args.iterations,) if place == 'loop' else ()
+      n = args.loop_batch if place == 'loop' else n
       x = jax.random.normal(jax.random.key(0), lead + (n, side, side, ci))
       kernel = jax.random.normal(jax.random.key(1), (3, 3, ci, co)) / np.sqrt(9 * ci)
 
