@@ -11,10 +11,14 @@ on the batch (`unrolled`) and once inside a `lax.map` over `--iterations` batche
 `--loop_batch` images (`loop`, as the chunked train step runs its chunks; the library's form
 takes minutes there at 224 px, hence the smaller default), and prints one JSON line per shape and
 place: median seconds over `--rounds` and their ratio. `procap_jax.models.conv_grads.MIN_PIXELS`
-comes from the unrolled rows.
+comes from the unrolled rows. `--side S` keeps the shapes of input side S; `--column_forms` also
+times the products' kernel gradient as one im2col product of all nine taps' windows
+(`im2col_s`: a form tried and not kept) and one tap at a time (`taps_s`: the fallback beyond
+`conv_grads.COLUMN_BYTES`), against its default of one kernel row at a time (`products_s`).
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -40,6 +44,30 @@ def _library(x, kernel, strides, pads):
                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _im2col_conv(x, kernel, strides, pads):
+  return _library(x, kernel, strides, pads)
+
+
+def _im2col_fwd(x, kernel, strides, pads):
+  return _library(x, kernel, strides, pads), (x, kernel)
+
+
+def _im2col_bwd(strides, pads, saved, g):
+  """conv_grads' backward with the kernel gradient as one product of all taps' windows."""
+  x, kernel = saved
+  kh, kw = kernel.shape[:2]
+  xp = jnp.pad(x, ((0, 0),) + tuple(pads) + ((0, 0),))
+  out_h, out_w = g.shape[1:3]
+  cols = jnp.concatenate([conv_grads.window(xp, a, b, out_h, out_w, strides)
+                          for a in range(kh) for b in range(kw)], axis=-1)
+  dk = jnp.einsum('nhwi,nhwo->io', cols, g).reshape(kernel.shape)
+  return conv_grads.input_grad(g, kernel, x.shape, strides, pads), dk
+
+
+_im2col_conv.defvjp(_im2col_fwd, _im2col_bwd)
+
+
 def _time(fn, args, rounds):
   jax.block_until_ready(fn(*args))  # compiles
   times = []
@@ -56,10 +84,15 @@ def main():
   parser.add_argument('--iterations', type=int, default=2, help='lax.map iterations (loop)')
   parser.add_argument('--loop_batch', type=int, default=1, help='images per iteration (loop)')
   parser.add_argument('--rounds', type=int, default=2)
+  parser.add_argument('--side', type=int, default=0, help='only shapes of this input side')
+  parser.add_argument('--column_forms', action='store_true',
+                      help='also the kernel gradient by kernel rows and by taps')
   args = parser.parse_args()
   places = ['unrolled', 'loop'] if args.where == 'both' else [args.where]
   for place in places:
     for n, side, ci, co, stride in SHAPES:
+      if args.side and side != args.side:
+        continue
       strides = (stride, stride)
       pads = conv_grads.explicit_pads((n, side, side, ci), (3, 3), strides,
                                       'SAME' if stride == 1 else 'VALID')
@@ -78,11 +111,16 @@ def main():
       seconds = {name: _time(grad_of(conv), (x, kernel), args.rounds)
                  for name, conv in (('library', _library), ('products', conv_grads.conv))}
       out = conv_grads.out_side(side, 3, stride, pads[0])
+      if args.column_forms:
+        seconds['im2col'] = _time(grad_of(_im2col_conv), (x, kernel), args.rounds)
+        default = conv_grads.COLUMN_BYTES
+        conv_grads.COLUMN_BYTES = 0  # read while the backward is traced: one tap at a time
+        seconds['taps'] = _time(grad_of(conv_grads.conv), (x, kernel), args.rounds)
+        conv_grads.COLUMN_BYTES = default
       print(json.dumps({'bench': 'conv_grads', 'where': place, 'batch': n, 'side': side,
                         'out_side': out, 'in_channels': ci, 'out_channels': co,
                         'stride': stride, 'iterations': len(lead) and args.iterations,
-                        'library_s': round(seconds['library'], 4),
-                        'products_s': round(seconds['products'], 4),
+                        **{f'{name}_s': round(t, 4) for name, t in seconds.items()},
                         'library_over_products': round(seconds['library'] / seconds['products'],
                                                        2)}), flush=True)
 

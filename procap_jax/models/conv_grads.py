@@ -4,10 +4,11 @@ The forward pass is `lax.conv_general_dilated`. The backward pass writes both gr
 products instead of the library's transposed convolutions:
 
 - kernel gradient: every kernel tap (a, b) sees the strided window of the padded input that the
-  tap multiplies, xp[:, a : a + s(Ho - 1) + 1 : s, b : ... : s, :]; the taps' windows are laid
-  side by side along the channels (im2col: [N, Ho, Wo, kh kw C], or one kernel row at a time, or
-  one tap at a time when the columns would exceed `COLUMN_BYTES`) and contracted with the output
-  gradient over N, Ho and Wo, a matrix product of the convolution's own FLOPs;
+  tap multiplies, xp[:, a : a + s(Ho - 1) + 1 : s, b : ... : s, :]; the windows of one kernel row
+  are laid side by side along the channels ([N, Ho, Wo, kw C]; one tap at a time when that
+  would exceed `COLUMN_BYTES`) and contracted with the output gradient over N, Ho and Wo, kh
+  matrix products of the convolution's own FLOPs (as fast as one im2col product of all kh kw
+  windows or faster, in a third of its memory: `python -m bench.conv_grads --column_forms`);
 - input gradient: at stride 1 the forward convolution of the output gradient with the flipped,
   transposed kernel; at larger strides each tap's product g @ w[a, b]^T placed back on its window
   (a pad with interior zeros) and summed.
@@ -29,8 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 NHWC = ('NHWC', 'HWIO', 'NHWC')
-# The largest im2col buffer of the kernel gradient (bytes); beyond it one kernel row, then one
-# tap, at a time.
+# The largest buffer of one kernel row's windows in the kernel gradient (bytes); beyond it one
+# tap at a time.
 COLUMN_BYTES = 1 << 30
 # Outside a loop the products pay from about this many output pixels on (112 px: 1.1x the
 # library's speed, 224 px: 2x, 64 px: 0.2x; `python -m bench.conv_grads`).
@@ -98,7 +99,7 @@ def _fwd(x, kernel, strides, pads):
   return conv(x, kernel, strides, pads), (x, kernel)
 
 
-def _window(xp, a, b, out_h, out_w, strides):
+def window(xp, a, b, out_h, out_w, strides):
   """The strided window of the padded input that kernel tap (a, b) multiplies: [N, Ho, Wo, C]."""
   n, _, _, c = xp.shape
   sh, sw = strides
@@ -111,11 +112,8 @@ def kernel_grad(x, g, kernel_shape, strides, pads):
   kh, kw, c, o = kernel_shape
   n, out_h, out_w, _ = g.shape
   xp = jnp.pad(x, ((0, 0),) + tuple(pads) + ((0, 0),))
-  windows = [[_window(xp, a, b, out_h, out_w, strides) for b in range(kw)] for a in range(kh)]
+  windows = [[window(xp, a, b, out_h, out_w, strides) for b in range(kw)] for a in range(kh)]
   column = n * out_h * out_w * c * x.dtype.itemsize
-  if column * kh * kw <= COLUMN_BYTES:
-    cols = jnp.concatenate([w for row in windows for w in row], axis=-1)
-    return jnp.einsum('nhwi,nhwo->io', cols, g).reshape(kernel_shape)
   if column * kw <= COLUMN_BYTES:
     rows = [jnp.einsum('nhwi,nhwo->io', jnp.concatenate(row, axis=-1), g) for row in windows]
     return jnp.stack(rows).reshape(kernel_shape)
