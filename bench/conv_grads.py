@@ -39,18 +39,13 @@ SHAPES = [  # (batch, input side, in channels, out channels, stride): 3x3 kernel
 ]
 
 
-def _library(x, kernel, strides, pads):
-  return jax.lax.conv_general_dilated(x, kernel, strides, pads,
-                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _im2col_conv(x, kernel, strides, pads):
-  return _library(x, kernel, strides, pads)
+  return conv_grads.library(x, kernel, strides, pads)
 
 
 def _im2col_fwd(x, kernel, strides, pads):
-  return _library(x, kernel, strides, pads), (x, kernel)
+  return conv_grads.library(x, kernel, strides, pads), (x, kernel)
 
 
 def _im2col_bwd(strides, pads, saved, g):
@@ -109,7 +104,8 @@ def main():
         return jax.jit(jax.grad(loss, (0, 1)))
 
       seconds = {name: _time(grad_of(conv), (x, kernel), args.rounds)
-                 for name, conv in (('library', _library), ('products', conv_grads.conv))}
+                 for name, conv in (('library', conv_grads.library),
+                                    ('products', conv_grads.conv))}
       out = conv_grads.out_side(side, 3, stride, pads[0])
       if args.column_forms:
         seconds['im2col'] = _time(grad_of(_im2col_conv), (x, kernel), args.rounds)

@@ -118,7 +118,7 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
     params = stand_ins.random_tokenizer(config)
     side = int(config.tokenizer.model.resolution)
     x = jax.random.uniform(jax.random.key(0), (images, side, side, 3))
-  side = int(config.tokenizer.model.resolution)
+  side = x.shape[1]
   tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
   fns = {d: jax.jit(t.encode_features) for d, t in tokenizers.items()}
   times, outs = _times(fns, (params, x), rounds)

@@ -82,7 +82,8 @@ def supported(lhs, rhs, padding, lhs_dilation, rhs_dilation, dimension_numbers,
   return True
 
 
-def _library(x, kernel, strides, pads):
+def library(x, kernel, strides, pads):
+  """`lax.conv_general_dilated` for NHWC x and an HWIO kernel."""
   return lax.conv_general_dilated(x, kernel, strides, pads,
                                   dimension_numbers=lax.conv_dimension_numbers(
                                       x.shape, kernel.shape, NHWC))
@@ -92,7 +93,7 @@ def _library(x, kernel, strides, pads):
 def conv(x: jax.Array, kernel: jax.Array, strides: tuple, pads: tuple) -> jax.Array:
   """`lax.conv_general_dilated(x, kernel, strides, pads)` for NHWC x and HWIO kernel, float32,
   with the gradients of the module docstring. strides: (sh, sw); pads: ((t, b), (l, r))."""
-  return _library(x, kernel, strides, pads)
+  return library(x, kernel, strides, pads)
 
 
 def _fwd(x, kernel, strides, pads):
@@ -131,7 +132,7 @@ def input_grad(g, kernel, x_shape, strides, pads):
     # The full correlation of g with the flipped kernel, cropped to x's rows and columns.
     full = ((kh - 1 - top, kh - 1 - bottom), (kw - 1 - left, kw - 1 - right))
     if all(p >= 0 for pair in full for p in pair):
-      return _library(g, flipped, (1, 1), full)
+      return library(g, flipped, (1, 1), full)
   sh, sw = strides
   out_h, out_w = g.shape[1:3]
   hp, wp = h + top + bottom, w + left + right

@@ -73,7 +73,6 @@ def num_groups(channels: int) -> int:
 # in the caches of the CPU this was measured on (docs/performance.md, "The tokenizer's
 # convolutions in row bands").
 BAND_BYTES = 2 * 2**20
-_NHWC = ('NHWC', 'HWIO', 'NHWC')
 # Images per encode call of the bfloat16 frozen tokenizer: the band loops' float32 results and
 # padded copies of 64 images at 224 px took paper-size inference from 8 to 15.6 GiB; 8 images at
 # a time bound them and were faster per image (docs/performance.md, same section).
@@ -254,9 +253,7 @@ def _banded_bwd(stride, products, saved, g):
     grads = (conv_grads.input_grad(g, kernel, x.shape, strides, pads),
              conv_grads.kernel_grad(x, g, kernel.shape, strides, pads))
   else:
-    grads = jax.vjp(lambda a, k: lax.conv_general_dilated(
-        a, k, strides, pads, dimension_numbers=lax.conv_dimension_numbers(
-            a.shape, k.shape, _NHWC)), x, kernel)[1](g)
+    grads = jax.vjp(lambda a, k: conv_grads.library(a, k, strides, pads), x, kernel)[1](g)
   return tuple(d.astype(v.dtype) for d, v in zip(grads, saved))
 
 
@@ -280,7 +277,8 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
             and tuple(lhs_dilation or (1, 1)) == (1, 1)
             and tuple(rhs_dilation or (1, 1)) == (1, 1) and feature_group_count == 1
             and not kwargs
-            and dimension_numbers == lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC))
+            and dimension_numbers == lax.conv_dimension_numbers(lhs.shape, rhs.shape,
+                                                                 conv_grads.NHWC))
   if banded:
     return banded_conv3x3(lhs, rhs, strides[0])
   if lhs.dtype == jnp.bfloat16:  # the library's bf16 convolutions run no faster than float32
