@@ -2,8 +2,9 @@
 
 import os
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8').strip()
+import xla_settings  # tests/ is on the path (pytest's default import mode)
+
+os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {xla_settings.xla_flags(8)}".strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Tests run tiny models for a few steps, so XLA's compile time outweighs the run time it saves:
 # without most of its optimisation passes the slowest compile-bound test takes 43 s instead of

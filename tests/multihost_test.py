@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 
+import xla_settings
+
 STEPS = 3
 
 
@@ -89,7 +91,7 @@ def _launch(args: list[str], timeout: float = 900) -> list[str]:
   for pid in range(2):
     env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_NUM_PROCESSES='2', JAX_PROCESS_ID=str(pid),
                JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
-               XLA_FLAGS='--xla_force_host_platform_device_count=4',
+               XLA_FLAGS=xla_settings.xla_flags(4),
                PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get('PYTHONPATH')) if p))
     children.append(subprocess.Popen(
         [sys.executable, os.path.abspath(__file__)] + args,

@@ -11,6 +11,7 @@ import PIL.Image
 import pytest
 
 from procap_jax import errors
+import xla_settings
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +21,7 @@ def subprocess_env(cache_dir: str) -> dict:
   """The environment of a subprocess run: one CPU device, unoptimised XLA code and a
   persistent compilation cache in `cache_dir` shared by the runs of a test."""
   env = dict(os.environ)
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=1', JAX_PLATFORMS='cpu',
+  env.update(XLA_FLAGS=xla_settings.xla_flags(1), JAX_PLATFORMS='cpu',
              PYTHONUNBUFFERED='1', TF_CPP_MIN_LOG_LEVEL='3', JAX_DISABLE_MOST_OPTIMIZATIONS='1',
              JAX_COMPILATION_CACHE_DIR=cache_dir,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
