@@ -27,10 +27,16 @@ def _config(data_dir: str):
   from configs import synthetic
   config = synthetic.get_config('tiny')
   config.data.data_dir = data_dir
+  return _small(config)
+
+
+def _small(config):
+  """A (4, 2) mesh and a smaller tokenizer: these tests are about the processes, not it."""
   config.mesh.data, config.mesh.model = 4, 2
-  config.data.image_size = 16  # a smaller tokenizer: this test is about the processes, not it
+  config.data.image_size = 16
   config.tokenizer.model.update(ch=8, ch_mult=(1, 2), resolution=16, z_channels=8, embed_dim=8,
                                 n_embed=16)
+  config.pretrain.model.update(feature_dim=8, codebook_size=16)  # the same 8 x 8 token grid
   return config
 
 
@@ -113,8 +119,7 @@ def _launch(args: list[str], timeout: float = 900) -> list[str]:
 def _run_config(workdir: str):
   """Tiny run of every stage on a (4, 2) mesh; the dataset is built inside `workdir`."""
   from configs import synthetic
-  config = synthetic.get_config('tiny')
-  config.mesh.data, config.mesh.model = 4, 2
+  config = _small(synthetic.get_config('tiny'))
   for section in (config.tokenizer.train, config.pretrain.train, config.caption.train):
     section.steps, section.checkpoint_every, section.eval_every, section.log_every = 4, 2, 4, 2
   return config
