@@ -4,6 +4,8 @@ r"""The frozen tokenizer's convolutions and encode, float32 against bfloat16 (ro
   python -m bench.tokenizer_speed --images 64 --skip_convs
   python -m bench.tokenizer_speed --config configs/synthetic.py --images 64
   python -m bench.tokenizer_speed --workdir W --images 1024 --skip_convs   # a run's tokenizer
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m bench.tokenizer_speed \
+      --skip_convs --frozen_dtypes bfloat16 --shard_images      # one device per core
 
 Two parts, each alternating its forms over `--rounds` rounds (median and best seconds):
   - `conv`: one 3x3 convolution of each shape the paper encoder runs (224 px x 128 channels down
@@ -106,7 +108,7 @@ def _trained(workdir: str, images: int) -> tuple:
 
 
 def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
-           workdir: str = '') -> None:
+           workdir: str = '', shard_images: bool = False) -> None:
   if workdir:
     from procap_jax import errors
     try:
@@ -121,13 +123,22 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
   side = x.shape[1]
   tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
   fns = {d: jax.jit(t.encode_features) for d, t in tokenizers.items()}
+  devices = 1
+  if shard_images:  # data-parallel over every visible device, the parameters replicated
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    mesh = Mesh(np.array(jax.devices()), ('data',))
+    devices = mesh.size
+    rows = NamedSharding(mesh, PartitionSpec('data'))
+    x = jax.device_put(x, rows)
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    fns = {d: jax.jit(t.encode_features, out_shardings=rows) for d, t in tokenizers.items()}
   times, outs = _times(fns, (params, x), rounds)
   codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
   ref = 'float32' if 'float32' in outs else None
   for name, ts in times.items():
     print(json.dumps({
         'bench': 'tokenizer_speed', 'part': 'encode', 'config': workdir or config_spec,
-        'frozen_dtype': name, 'images': images, 'side': side,
+        'frozen_dtype': name, 'images': images, 'side': side, 'devices': devices,
         'step_s': float(np.median(ts)), 'step_s_best': float(np.min(ts)),
         'features_rel_diff': _rel(outs[name], outs[ref]) if ref else None,
         'codes_equal_fraction': float(np.mean(codes[name] == codes[ref])) if ref else None,
@@ -145,11 +156,14 @@ def main():
                            'keyframes instead of random weights and images (--config unused)')
   parser.add_argument('--frozen_dtypes', default='float32,bfloat16',
                       help='comma-separated, in this order (float32 first for the differences)')
+  parser.add_argument('--shard_images', action='store_true',
+                      help='encode data-parallel over every host device (set their number with '
+                           'XLA_FLAGS=--xla_force_host_platform_device_count=N)')
   args = parser.parse_args()
   if not args.skip_convs:
     convs(args.rounds)
   encode(args.config, args.images, args.rounds, tuple(args.frozen_dtypes.split(',')),
-         args.workdir)
+         args.workdir, args.shard_images)
 
 
 if __name__ == '__main__':
