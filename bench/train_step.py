@@ -272,9 +272,8 @@ def _has_loops(config, stage: str) -> bool:
   if stage == 'tokenizer':
     return int(config.tokenizer.train.get('frames_chunk', 0)) > 0
   m = config.pretrain.model
-  micro = stage != 'tokenizer' and config[stage].train.get('micro_batches', 1) > 1
-  return stage != 'tokenizer' and bool(m.scan_blocks or m.attention_chunk or m.attention_group
-                                       or micro)
+  micro = config[stage].train.get('micro_batches', 1) > 1
+  return bool(m.scan_blocks or m.attention_chunk or m.attention_group or micro)
 
 
 def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
