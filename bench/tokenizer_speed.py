@@ -122,16 +122,16 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
     x = jax.random.uniform(jax.random.key(0), (images, side, side, 3))
   side = x.shape[1]
   tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
-  fns = {d: jax.jit(t.encode_features) for d, t in tokenizers.items()}
-  devices = 1
+  devices, out_shardings = 1, None
   if shard_images:  # data-parallel over every visible device, the parameters replicated
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     mesh = Mesh(np.array(jax.devices()), ('data',))
     devices = mesh.size
-    rows = NamedSharding(mesh, PartitionSpec('data'))
-    x = jax.device_put(x, rows)
+    out_shardings = NamedSharding(mesh, PartitionSpec('data'))
+    x = jax.device_put(x, out_shardings)
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    fns = {d: jax.jit(t.encode_features, out_shardings=rows) for d, t in tokenizers.items()}
+  fns = {d: jax.jit(t.encode_features, out_shardings=out_shardings)
+         for d, t in tokenizers.items()}
   times, outs = _times(fns, (params, x), rounds)
   codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
   ref = 'float32' if 'float32' in outs else None
