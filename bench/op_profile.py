@@ -48,11 +48,14 @@ _WRAPPERS = {'while', 'body', 'closed_call', 'checkpoint', 'remat', 'cond', 'bra
 
 
 def _step_call(args):
-  """(call() -> output, compiled HLO text) for a stage's train step; the state threads through
-  the calls (the step donates it)."""
-  cached = args.feature_cache == 'on'
-  _, _, compiled, state, batch, constants, rng, _ = bench_step._compile(  # pylint: disable=protected-access
-      args.config, args.stage, args.batch, args.dtype, args.set, cached)
+  """(call() -> output, compiled HLO text, batch size) for a stage's train step; the state
+  threads through the calls (the step donates it)."""
+  config = bench_step.load_config(args.config, args.set)
+  config.compute_dtype = args.dtype
+  batch_size = args.batch or int(config[args.stage].train.batch_size)
+  step, state, batch, constants, rng = bench_step.prepare(
+      config, args.stage, batch_size, cached=args.feature_cache == 'on')
+  compiled = step.lower(state, batch, constants, rng).compile()
   box = [state]
 
   def call():
@@ -60,11 +63,11 @@ def _step_call(args):
     box[0] = out[0]
     return out
 
-  return call, compiled.as_text()
+  return call, compiled.as_text(), batch_size
 
 
 def _encode_call(args):
-  """(call() -> features, compiled HLO text) for the frozen tokenizer's encode."""
+  """(call() -> features, compiled HLO text, images) for the frozen tokenizer's encode."""
   from procap_jax.diagnostics import stand_ins
   from procap_jax.models import vqgan
   config = bench_step.load_config(args.config, args.set)
@@ -73,7 +76,7 @@ def _encode_call(args):
   images = jax.random.uniform(jax.random.key(0), (args.images, side, side, 3))
   fn = jax.jit(vqgan.frozen(config.tokenizer.model, args.frozen_dtype).encode_features)
   compiled = fn.lower(params, images).compile()
-  return (lambda: jax.block_until_ready(compiled(params, images))), compiled.as_text()
+  return (lambda: jax.block_until_ready(compiled(params, images))), compiled.as_text(), args.images
 
 
 def hlo_ops(text: str) -> dict[str, tuple[str, str]]:
@@ -178,13 +181,14 @@ def main():
   parser.add_argument('--scope_depth', type=int, default=4)
   args = parser.parse_args()
 
-  call, hlo_text = (_step_call if args.part == 'step' else _encode_call)(args)
+  call, hlo_text, batch = (_step_call if args.part == 'step' else _encode_call)(args)
   names = hlo_ops(hlo_text)
   record, ops = profile(call, set(names), args.warmup, args.rounds)
-  what = ({'part': 'step', 'stage': args.stage, 'dtype': args.dtype, 'batch': args.batch,
+  what = ({'part': 'step', 'stage': args.stage, 'dtype': args.dtype,
            'feature_cache': args.feature_cache == 'on'} if args.part == 'step'
-          else {'part': 'encode', 'images': args.images, 'frozen_dtype': args.frozen_dtype})
-  base = {'bench': 'op_profile', 'config': args.config, **what, 'overrides': args.set or None}
+          else {'part': 'encode', 'frozen_dtype': args.frozen_dtype})
+  base = {'bench': 'op_profile', 'config': args.config, 'batch': batch, **what,
+          'overrides': args.set or None}
 
   per_op = collections.Counter()
   calls = collections.Counter()
