@@ -11,17 +11,20 @@ process's CPU use (CPU seconds of all its threads over wall seconds; 2.0 = both 
 throughout), and one call under `jax.profiler.trace`, whose XLA ops are summed. Ops are the
 trace's events named after an instruction of the compiled module, innermost ones only (a
 loop's own event holds its body's ops and is not counted again); their names without the
-instance number are their `kind`
-(`ynn_fusion`: a YNNPACK fusion, i.e. a product with what it fused; `copy_bitcast_fusion`:
-mostly transposing copies; `wrapped_broadcast`: a buffer filled with a constant).
+instance number are their `kind` (`ynn_fusion`: a YNNPACK fusion, i.e. a product with what it
+fused; `copy_bitcast_fusion`: mostly transposing copies; `wrapped_broadcast`: a buffer filled
+with a constant).
 
-One JSON line each:
-  - `total`: the traced call's seconds, the summed op seconds, CPU use, and `concurrency`:
-    seconds with 0, 1, 2 and 3 or more ops running at once (XLA runs independent ops side by
-    side on its threads; an op that shares the cores runs slower on its own clock);
+One JSON line each (`batch`: the step's batch, or the number of images):
+  - `total`: the timed calls' seconds (`step_s` their median, `step_times`), CPU use, the
+    traced call's seconds, the summed op seconds and `concurrency`: seconds with 0, 1, 2 and 3
+    or more ops running at once (XLA runs independent ops side by side on its threads; an op
+    that shares the cores runs slower on its own clock);
   - `kind`: summed seconds and calls per op kind, the largest `--top`;
   - `scope`: summed seconds per model scope (the op's metadata path without jit, loop and
-    checkpoint wrappers, cut to `--scope_depth` parts; `bwd:` in front for the backward pass);
+    checkpoint wrappers, cut to `--scope_depth` parts; `bwd:` in front for the backward pass
+    JAX derives; a custom VJP's backward, such as the grouped attention's, keeps its forward's
+    scope);
   - `op`: the `--top` largest single ops (summed over their calls) with shape and scope.
 The trace costs a little time of its own (the traced call is slower than the timed ones).
 """
