@@ -53,12 +53,8 @@ _WRAPPERS = {'while', 'body', 'closed_call', 'checkpoint', 'remat', 'cond', 'bra
 def _step_call(args):
   """(call() -> output, compiled HLO text, batch size) for a stage's train step; the state
   threads through the calls (the step donates it)."""
-  config = bench_step.load_config(args.config, args.set)
-  config.compute_dtype = args.dtype
-  batch_size = args.batch or int(config[args.stage].train.batch_size)
-  step, state, batch, constants, rng = bench_step.prepare(
-      config, args.stage, batch_size, cached=args.feature_cache == 'on')
-  compiled = step.lower(state, batch, constants, rng).compile()
+  _, batch_size, compiled, state, batch, constants, rng, _ = bench_step.compile_step(
+      args.config, args.stage, args.batch, args.dtype, args.set, args.feature_cache == 'on')
   box = [state]
 
   def call():
@@ -138,15 +134,11 @@ def concurrency(ops: list[dict]) -> dict[str, float]:
 
 def profile(call, op_names: set[str], warmup: int, rounds: int) -> tuple[dict, list[dict]]:
   """(timing record, leaf op events of one traced call)."""
-  for _ in range(warmup):
-    call()
-  walls, cpus = [], []
-  for _ in range(rounds):
-    c0, t0 = os.times(), time.perf_counter()
-    call()
-    c1, t1 = os.times(), time.perf_counter()
-    walls.append(t1 - t0)
-    cpus.append((c1.user - c0.user) + (c1.system - c0.system))
+  common.time_all(call, warmup=warmup, repeats=0)
+  c0 = os.times()
+  walls = common.time_all(call, warmup=0, repeats=rounds)
+  c1 = os.times()
+  cpu = (c1.user - c0.user) + (c1.system - c0.system)
   with tempfile.TemporaryDirectory() as folder:
     t0 = time.perf_counter()
     with jax.profiler.trace(folder, create_perfetto_trace=True):
@@ -161,7 +153,7 @@ def profile(call, op_names: set[str], warmup: int, rounds: int) -> tuple[dict, l
   ops = leaf_ops(events, op_names)
   record = {'step_s': float(np.median(walls)) if walls else None,
             'step_times': [round(w, 3) for w in walls],
-            'cpu_use': float(sum(cpus) / sum(walls)) if walls else None,
+            'cpu_use': float(cpu / sum(walls)) if walls else None,
             'traced_s': traced}
   return record, ops
 

@@ -115,9 +115,10 @@ def tokens_per_sample(config, stage: str) -> int:
   return frames + config.data.max_caption_len + 3
 
 
-def _compile(config_spec: str, stage: str, batch_size: int | None, dtype: str,
-             overrides: list[str] | tuple[str, ...], cached: bool) -> tuple:
-  """(config, batch size, compiled step, state, batch, constants, rng, compile seconds)."""
+def compile_step(config_spec: str, stage: str, batch_size: int | None, dtype: str,
+                 overrides: list[str] | tuple[str, ...], cached: bool) -> tuple:
+  """(config, batch size, compiled step, state, batch, constants, rng, compile seconds); the
+  batch size defaults to the stage's."""
   config = load_config(config_spec, overrides)
   config.compute_dtype = dtype
   batch_size = batch_size or int(config[stage].train.batch_size)
@@ -132,7 +133,7 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
         overrides: list[str] | tuple[str, ...] = (), compile_only: bool = False,
         cached: bool = False) -> dict:
   """Measures one stage's train step; returns the JSON record (see the module docstring)."""
-  config, batch_size, compiled, state, batch, constants, rng, compile_s = _compile(
+  config, batch_size, compiled, state, batch, constants, rng, compile_s = compile_step(
       config_spec, stage, batch_size, dtype, overrides, cached)
   flops = common.compiled_flops(compiled)
   record = {
@@ -200,7 +201,7 @@ def run_alternating(config_spec: str, stage: str, steps: int, batch_size: int | 
   load_before = os.getloadavg()
   runs = {}
   for cached in (False, True):
-    _, batch_size, compiled, state, batch, constants, rng, compile_s = _compile(
+    _, batch_size, compiled, state, batch, constants, rng, compile_s = compile_step(
         config_spec, stage, batch_size, dtype, overrides, cached)
     state, metrics = compiled(state, batch, constants, rng)  # warm-up
     jax.block_until_ready(metrics)
@@ -240,7 +241,7 @@ def run_variants(config_spec: str, stage: str, steps: int, batch_size: int | Non
   load_before = os.getloadavg()
   runs = {}
   for name, extra in variants.items():
-    _, size, compiled, state, batch, constants, rng, compile_s = _compile(
+    _, size, compiled, state, batch, constants, rng, compile_s = compile_step(
         config_spec, stage, batch_size, dtype, list(overrides) + extra, cached)
     state, metrics = compiled(state, batch, constants, rng)  # warm-up
     jax.block_until_ready(metrics)
