@@ -2,8 +2,8 @@
 
 The legacy elemental emitters instead of XLA:CPU's fusion emitters: a tiny train step compiles
 in about two thirds of the time and the process spends about a third less CPU
-(docs/performance.md,
-"The test suite's time"). The emitters change how a fusion's loop is generated, not what it computes.
+(docs/performance.md, "The test suite's time"). The emitters change how a fusion's loop is
+generated, not what it computes.
 """
 
 COMPILE_FLAGS = '--xla_cpu_use_fusion_emitters=false'
