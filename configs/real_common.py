@@ -19,6 +19,9 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   d = config.data
   d.name = dataset
   d.word2idx_file = word2idx_file
+  # The original's CLEVR stage-2 step (spec 1.4): whole scenes, each scene's change pair and
+  # its distractor in one batch (B/2 scenes); their shared before image is encoded once.
+  config.caption.train.scene_pairs = dataset == 'clevr_change'
   if preset == 'cpu':
     d.builder_config = 'tiny32'
     d.image_size = 32

@@ -239,6 +239,10 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       # M > 1: the captioner's forward and backward in M micro-batches of batch_size / M rows,
       # gradients accumulated; the same values except dropout's masks (drawn per micro-batch).
       micro_batches=1,
+      # True: each batch holds whole scenes, a scene's change pair and its distractor pair in
+      # rows 2i and 2i + 1 (the original's CLEVR step, B/2 scenes x 2 pairs); their shared
+      # before image is encoded once. Needs a dataset whose records come in such pairs.
+      scene_pairs=False,
       t_total_factor=1.0,              # schedule length / steps (2.0 = the original 2-GPU launch)
       log_every=10 if preset == 'tiny' else 50,
       eval_every={'tiny': 20, 'quick': 200, 'default': 350}[preset],

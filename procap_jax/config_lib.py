@@ -90,6 +90,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not isinstance(micro, int) or micro < 1 or tr.batch_size % micro:
       raise errors.UserError(f'config.{stage}.train.micro_batches is {micro!r}; it must be a '
                              f'positive integer dividing the batch size ({tr.batch_size})')
+  ct = config.caption.train
+  if ct.get('scene_pairs', False) and ct.batch_size % 2:
+    raise errors.UserError(f'config.caption.train.scene_pairs puts two pairs of a scene in every '
+                           f'batch, so the batch size must be even (it is {ct.batch_size})')
   rows = config.caption.decoding.get('encode_rows', 0)
   if not isinstance(rows, int) or rows < 0:
     raise errors.UserError(f'config.caption.decoding.encode_rows is {rows!r}; it must be 0 (the '

@@ -52,6 +52,10 @@ class Task:
       encodings from the tokenizer feature cache when `config.data.feature_cache`
       (`data/feature_cache.py`); the trainer builds a missing one with this tokenizer and
       `constants['tokenizer']`, and its batches carry the cached keys.
+    host_batch: None, or (host batch, mesh) -> host batch, applied to every training batch
+      before it is placed on the mesh in one-process runs; it may change array shapes (the
+      step then compiles once per shape) but not the values the step computes (stage 2:
+      `encodings.share_before`).
   """
   name: str
   build_model: Callable[..., Any]
@@ -64,6 +68,7 @@ class Task:
   restore_init: Callable[..., Any] | None = None
   feature_cache: Callable[..., Any] | None = None
   value_and_grad: Callable[..., Any] | None = None
+  host_batch: Callable[..., Any] | None = None
 
 
 @flax.struct.dataclass
@@ -316,7 +321,8 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
       config, workdir, constants['tokenizer'], build_missing=True,
       tokenizer=task.feature_cache(config)))
   train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed, rows=rows,
-                                         cache=cache)
+                                         cache=cache,
+                                         scene_pairs=bool(tcfg.get('scene_pairs', False)))
   example = jax.tree.map(np.asarray, train_ds[0])
   tx = task.make_optimizer(config, total)
   rng = jax.random.key(seed)
@@ -379,7 +385,10 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     # validated and saved as its best checkpoint, so the later stages start from it.
     val_metrics = evaluate(0)
   for step in range(start + 1, end + 1):
-    batch = sharding.shard_batch(next(train_iter), mesh)
+    batch = next(train_iter)
+    if task.host_batch is not None and jax.process_count() == 1:
+      batch = task.host_batch(batch, mesh)
+    batch = sharding.shard_batch(batch, mesh)
     state, metrics = step_fn(state, batch, constants, rng)
     finite = finite & metrics['finite']
     pending.append(metrics)

@@ -276,7 +276,8 @@ def _indexed(src):
 
 
 def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
-                       rows: tuple[int, int] | None = None, cache=None) -> grain.MapDataset:
+                       rows: tuple[int, int] | None = None, cache=None,
+                       scene_pairs: bool = False) -> grain.MapDataset:
   """An endless, per-epoch reshuffled MapDataset of training batches for this process.
 
   Args:
@@ -287,6 +288,12 @@ def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
     rows: [start, stop), the rows of every global batch this process reads
       (`sharding.process_batch_rows(mesh, B)`); None = all rows (one process).
     cache: a `feature_cache.FeatureCache`: the batches also carry the cached encodings.
+    scene_pairs: shuffle whole scenes instead of examples: records 2g and 2g + 1 (a scene's
+      change pair and its distractor, in the builders' record order) stay together as rows
+      2i and 2i + 1 of a batch, so a batch of B rows holds B/2 scenes, as the original's CLEVR
+      stage-2 step does (`caption.train.scene_pairs`; the trainer then encodes a before image
+      the two share once: `encodings.share_before`). UserError when two such records are not
+      one scene.
 
   Global batch i is examples [i B, (i + 1) B) of one shuffled stream whatever the number of
   processes; a process reads only its rows of it (lazily: it transforms no other example), so
@@ -298,17 +305,44 @@ def make_train_dataset(config, workdir: str, batch_size: int, seed: int,
                            f'{batch_size}; lower the batch size or build a larger dataset')
   transform = make_transform(config, workdir, train=True,
                              cache=cache.split('train') if cache is not None else None)
-  ds = _indexed(src).seed(seed).shuffle().repeat(None)
-  ds = ds.random_map(lambda ir, rng: transform(ir[1], ir[0], rng))
   start, stop = rows if rows is not None else (0, batch_size)
   local = stop - start
   if local <= 0 or batch_size % local or start % local:
     raise errors.UserError(f'rows [{start}, {stop}) do not split a batch of {batch_size} evenly')
+  if scene_pairs:
+    if len(src) % 2 or local % 2:
+      raise errors.UserError(
+          f'scene pairs need an even number of train records and of batch rows per process '
+          f'(records {len(src)}, rows {local}); set caption.train.scene_pairs=False or make '
+          'the batch size even')
+    ds = grain.MapDataset.range(len(src) // 2).seed(seed).shuffle().repeat(None)
+    ds = ds.random_map(lambda g, rng: _scene_examples(src, transform, int(g), rng))
+    per_chunk = local // 2  # scenes
+  else:
+    ds = _indexed(src).seed(seed).shuffle().repeat(None)
+    ds = ds.random_map(lambda ir, rng: transform(ir[1], ir[0], rng))
+    per_chunk = local
   # Chunks of `local` examples; chunk i * (B / local) + start / local is this process's part of
   # global batch i.
-  ds = ds.batch(local, drop_remainder=True)
+  ds = ds.batch(per_chunk, drop_remainder=True)
+  if scene_pairs:  # [B/2, 2, ...] -> [B, ...]: scene g's two pairs in rows 2i and 2i + 1
+    ds = ds.map(lambda b: {k: v.reshape((-1,) + v.shape[2:]) for k, v in b.items()})
   chunks = batch_size // local
   return ds[start // local::chunks] if chunks > 1 else ds
+
+
+def _scene_examples(src, transform: '_Transform', scene: int, rng: np.random.Generator) -> dict:
+  """The examples of records 2 scene and 2 scene + 1, stacked [2, ...] (one scene's pairs)."""
+  i = 2 * scene
+  first, second = src[i], src[i + 1]
+  if int(first['scene_id']) != int(second['scene_id']):
+    raise errors.UserError(
+        f'train records {i} and {i + 1} are scenes {int(first["scene_id"])} and '
+        f'{int(second["scene_id"])}: caption.train.scene_pairs needs a dataset whose records '
+        "come as a scene's change pair then its distractor (CLEVR-Change, synthetic_change); "
+        'set it to False for this dataset')
+  a, b = transform(first, i, rng), transform(second, i + 1, rng)
+  return {k: np.stack([a[k], b[k]]) for k in a}
 
 
 class TrainIterator:

@@ -296,10 +296,12 @@ def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, mo
   """Caption token ids [B, L] (greedy or beam per config.caption.decoding) for uint8 pairs.
 
   `keyframe_features` [B, T, h, w, C] (the feature cache's batch key) replaces encoding the
-  images: keyframes 0 and T-1 are the before and after images."""
+  images: keyframes 0 and T-1 are the before and after images. When rows 2i and 2i + 1 have
+  the same before image for every i (a CLEVR split in record order: each scene's change pair,
+  then its distractor), each before image is encoded once (`encodings.share_before`)."""
   pair = ({'before': before, 'after': after} if keyframe_features is None
           else {encodings.CACHED: keyframe_features})
-  pair = sharding.place_eval_batch(pair, config)
+  pair = sharding.place_eval_batch(encodings.share_before(pair), config)
   return np.asarray(_generate(
       nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
       tokenizer=tokenizer or vqgan_tokenizer(config), **config_lib.decoding_settings(config)))
@@ -398,7 +400,9 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
                     loss_fn=loss_fn, value_and_grad=value_and_grad,
                     make_optimizer=caption_optimizer.make_optimizer,
                     evaluate=evaluate, feature_cache=tokenizer_factory,
-                    load_constants=load_constants, restore_init=restore_init)
+                    load_constants=load_constants, restore_init=restore_init,
+                    host_batch=lambda batch, mesh: encodings.share_before(
+                        batch, mesh.shape['data']))
 
 
 TASK = make_task()
