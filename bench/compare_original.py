@@ -27,8 +27,10 @@ the inference batch alone (its share of inference), ours.
     one after another inside one timed batch. Torch compiles nothing: the first step is timed
     (`--original_warmup` untimed steps before, 1 at small size).
   - ours: `python -m bench.train_step` (stage pretrain at batch 8, stage caption at batch 32
-    pairs; each also with `--feature_cache on`, the step as it runs on the tokenizer feature
-    cache built once after stage 0: stage 1 encodes only the frames a corruption changed, stage
+    pairs: 16 scenes' change and distractor pairs, the CLEVR presets' `caption.train.scene_pairs`,
+    so each scene's before image is encoded once, as the trainer does; each also with
+    `--feature_cache on`, the step as it runs on the tokenizer feature cache built once after
+    stage 0: stage 1 encodes only the frames a corruption changed, stage
     2 encodes nothing; rows `stage1:cached`, `stage2:cached`, ratios `*_cached`; inference
     as evaluation runs it on the cache, row `infer:cached+bf16`; and with
     `--dtype bfloat16`, config.compute_dtype: the encoder's and decoder's matmuls take bfloat16

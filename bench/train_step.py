@@ -20,6 +20,10 @@ slots + special tokens; pixels of one frame for the tokenizer). Random uint8 ima
 stand in for data and a randomly initialised tokenizer for the frozen one: throughput does not
 depend on the values. `--set key=value` overrides a config value (Python literal).
 
+With `caption.train.scene_pairs` (the CLEVR presets) the stage-2 batch holds whole scenes as the
+trainer feeds them: rows 2i and 2i + 1 share their before image, which the step encodes once
+(`encodings.share_before`); `--set caption.train.scene_pairs=False` times every image encoded.
+
 `--feature_cache on` times stages 1 and 2 as they run with the tokenizer feature cache
 (`data.feature_cache`): the batch carries random cached features and codes, so the step encodes
 only the corrupted frames (stage 1) or nothing (stage 2); `off` encodes the images as without
@@ -93,6 +97,11 @@ def prepare(config, stage: str, batch_size: int, mesh=None, cached: bool = False
   model = task.build_model(config)
   tx = task.make_optimizer(config, 1000)
   batch = stand_ins.fake_batch(config, batch_size, feature_cache=cached and stage != 'tokenizer')
+  if stage == 'caption' and config.caption.train.get('scene_pairs', False) and not cached:
+    # Whole scenes, as the trainer feeds them: rows 2i and 2i + 1 share their before image,
+    # encoded once (`encodings.share_before`, the trainer's host_batch).
+    batch['before'][1::2] = batch['before'][0::2]
+    batch = stages.TASKS[stage].host_batch(batch, mesh)
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
   tokenizer = None if stage == 'tokenizer' else stand_ins.random_tokenizer(config)
   constants = None if tokenizer is None else {'tokenizer': tokenizer}
