@@ -125,6 +125,22 @@ def test_scene_batches_hold_both_pairs_of_each_scene(tiny_config, tmp_path):
   assert not np.array_equal(other[0]['example_index'], ds[0]['example_index'])
 
 
+def test_scene_batch_iterator_state_resumes_to_the_next_batch(tiny_config, tmp_path):
+  def iterator():
+    return pipeline.TrainIterator(pipeline.make_train_dataset(
+        tiny_config, str(tmp_path), 4, seed=5, scene_pairs=True))
+  it = iterator()
+  for _ in range(13):  # past the first epoch (12 batches of the 48 records)
+    next(it)
+  state = it.get_state()
+  expected = next(it)
+  again = iterator()
+  again.set_state(state)
+  got = next(again)
+  for k in expected:
+    np.testing.assert_array_equal(got[k], expected[k], k)
+
+
 def test_scene_batches_assemble_from_process_rows(tiny_config, tmp_path):
   full = pipeline.make_train_dataset(tiny_config, str(tmp_path), 8, seed=2, scene_pairs=True)
   parts = [pipeline.make_train_dataset(tiny_config, str(tmp_path), 8, seed=2, rows=r,
