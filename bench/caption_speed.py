@@ -13,6 +13,12 @@ KV cache and stops when every caption has emitted [EOS]; a randomly initialised 
 emits [EOS], so these figures are for the full 24 steps, like the original's. Random weights:
 speed does not depend on them.
 
+`--scenes` makes rows 2i and 2i + 1 of the batch share their before image, as a CLEVR split read
+in record order does (each scene's change pair, then its distractor: the batch is B/2 scenes,
+both halves of the original's evaluation of them), so `generate` encodes each before image once
+(`encodings.share_before`). The original's TPS times the change half alone (B scenes), so this
+is not the row `bench/compare_original.py` compares.
+
 `--feature_cache on` times inference as evaluation runs it on the tokenizer feature cache
 (`data.feature_cache`): the batch carries random cached keyframe features, so the tokenizer
 encoder does not run and the time covers the captioner alone.
@@ -37,14 +43,18 @@ from procap_jax.tasks import caption as caption_task
 
 
 def measure(config_spec: str, batch_size: int, repeats: int, dtype: str,
-            overrides: list[str] | tuple[str, ...] = (), feature_cache: bool = False) -> dict:
-  """Times batched generation and one-pair latency; returns the JSON record."""
+            overrides: list[str] | tuple[str, ...] = (), feature_cache: bool = False,
+            scenes: bool = False) -> dict:
+  """Times batched generation and one-pair latency; returns the JSON record. `scenes`: rows
+  2i and 2i + 1 share their before image."""
   config = bench_step.load_config(config_spec, overrides)
   config.compute_dtype = dtype
   bench_step.fill_vocab_sizes(config)
   task = stages.TASKS['caption']
   model = task.build_model(config)
   batch = stand_ins.fake_batch(config, batch_size, feature_cache=feature_cache)
+  if scenes:
+    batch['before'][1::2] = batch['before'][0::2]
   params = jax.jit(lambda r: nn.meta.unbox(task.init_params(model, config, r, batch)))(
       jax.random.key(0))
   constants = {'tokenizer': stand_ins.random_tokenizer(config)}
@@ -67,7 +77,7 @@ def measure(config_spec: str, batch_size: int, repeats: int, dtype: str,
   max_len = int(config.caption.model.max_len)
   return {
       'bench': 'caption_speed', 'config': config_spec, 'dtype': dtype, 'batch': batch_size,
-      'overrides': list(overrides) or None, 'feature_cache': feature_cache,
+      'overrides': list(overrides) or None, 'feature_cache': feature_cache, 'scenes': scenes,
       'decoding': config.caption.decoding.method, 'batch_s': sec, 'batch_s_best': min(times),
       'samples_per_s': batch_size / sec, 'tokens_per_s': batch_size * max_len / sec,
       'tps': batch_size * max_len / sec, 'captions_per_s': batch_size / sec,
@@ -86,9 +96,11 @@ def main():
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
   parser.add_argument('--feature_cache', default='off', choices=('off', 'on'),
                       help='on: from random cached keyframe features, no tokenizer encode')
+  parser.add_argument('--scenes', action='store_true',
+                      help='rows 2i and 2i + 1 share their before image (whole CLEVR scenes)')
   args = parser.parse_args()
   common.emit(measure(args.config, args.batch, args.repeats, args.dtype, args.set,
-                      args.feature_cache == 'on'))
+                      args.feature_cache == 'on', args.scenes))
 
 
 if __name__ == '__main__':
