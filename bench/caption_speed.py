@@ -52,9 +52,7 @@ def measure(config_spec: str, batch_size: int, repeats: int, dtype: str,
   bench_step.fill_vocab_sizes(config)
   task = stages.TASKS['caption']
   model = task.build_model(config)
-  batch = stand_ins.fake_batch(config, batch_size, feature_cache=feature_cache)
-  if scenes:
-    batch['before'][1::2] = batch['before'][0::2]
+  batch = stand_ins.fake_batch(config, batch_size, feature_cache=feature_cache, scenes=scenes)
   params = jax.jit(lambda r: nn.meta.unbox(task.init_params(model, config, r, batch)))(
       jax.random.key(0))
   constants = {'tokenizer': stand_ins.random_tokenizer(config)}

@@ -96,12 +96,11 @@ def prepare(config, stage: str, batch_size: int, mesh=None, cached: bool = False
   mesh = mesh if mesh is not None else sharding.mesh_from_config(config)
   model = task.build_model(config)
   tx = task.make_optimizer(config, 1000)
-  batch = stand_ins.fake_batch(config, batch_size, feature_cache=cached and stage != 'tokenizer')
-  if stage == 'caption' and config.caption.train.get('scene_pairs', False) and not cached:
-    # Whole scenes, as the trainer feeds them: rows 2i and 2i + 1 share their before image,
-    # encoded once (`encodings.share_before`, the trainer's host_batch).
-    batch['before'][1::2] = batch['before'][0::2]
-    batch = stages.TASKS[stage].host_batch(batch, mesh)
+  # Whole scenes when the config groups them, then the trainer's host_batch (stage 2: each
+  # shared before image encoded once, `encodings.share_before`).
+  scenes = stage == 'caption' and config.caption.train.get('scene_pairs', False)
+  batch = train.host_batch(task, stand_ins.fake_batch(
+      config, batch_size, feature_cache=cached and stage != 'tokenizer', scenes=scenes), mesh)
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
   tokenizer = None if stage == 'tokenizer' else stand_ins.random_tokenizer(config)
   constants = None if tokenizer is None else {'tokenizer': tokenizer}

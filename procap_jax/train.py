@@ -202,6 +202,14 @@ def micro_batched(stage: str, loss_fn: Callable[..., Any],
   return value_and_grad
 
 
+def host_batch(task: 'Task', batch: dict, mesh) -> dict:
+  """`task.host_batch(batch, mesh)` in one-process runs, else `batch` (under several processes
+  each would decide alone, and the global shapes could disagree)."""
+  if task.host_batch is None or jax.process_count() > 1:
+    return batch
+  return task.host_batch(batch, mesh)
+
+
 def make_train_step(task: 'Task', model, config, tx, state_sh, batch_sh, const_sh, mesh):
   """The jitted, donated train step `(state, batch, constants, rng) -> (state, metrics)`."""
 
@@ -385,10 +393,7 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     # validated and saved as its best checkpoint, so the later stages start from it.
     val_metrics = evaluate(0)
   for step in range(start + 1, end + 1):
-    batch = next(train_iter)
-    if task.host_batch is not None and jax.process_count() == 1:
-      batch = task.host_batch(batch, mesh)
-    batch = sharding.shard_batch(batch, mesh)
+    batch = sharding.shard_batch(host_batch(task, next(train_iter), mesh), mesh)
     state, metrics = step_fn(state, batch, constants, rng)
     finite = finite & metrics['finite']
     pending.append(metrics)

@@ -69,8 +69,7 @@ def test_caption_loss_and_gradients_are_the_same_with_the_shared_before(tiny_con
   config = tiny_config
   config.caption.model.vocab_size = 64
   config.caption.init_from_pretrain = False
-  batch = stand_ins.fake_batch(config, 4)
-  batch['before'][1::2] = batch['before'][0::2]
+  batch = stand_ins.fake_batch(config, 4, scenes=True)
   batch['caption_in'] = np.minimum(batch['caption_in'], 63)
   model = caption.build_model(config)
   params = nn.meta.unbox(caption.init_params(model, config, jax.random.key(0), batch))
@@ -213,8 +212,7 @@ def test_decoding_encodes_a_shared_before_once_and_writes_the_same_captions(tiny
   config = tiny_config
   config.caption.model.vocab_size = 64
   config.caption.init_from_pretrain = False
-  batch = stand_ins.fake_batch(config, 16, seed=3)
-  batch['before'][1::2] = batch['before'][0::2]
+  batch = stand_ins.fake_batch(config, 16, seed=3, scenes=True)
   model = caption.build_model(config)
   params = nn.meta.unbox(caption.init_params(model, config, jax.random.key(4), batch))
   # larger weights than the init's, so that the untrained captioner's words depend on the pair

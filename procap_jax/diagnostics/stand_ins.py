@@ -13,15 +13,19 @@ import numpy as np
 from procap_jax.models import vqgan
 
 
-def fake_batch(config, batch_size: int, seed: int = 0, feature_cache: bool = False) -> dict:
+def fake_batch(config, batch_size: int, seed: int = 0, feature_cache: bool = False,
+               scenes: bool = False) -> dict:
   """A batch of the contract with random content: frames [B, T, S, S, 3] and captions [B, L].
 
   With `feature_cache` it also carries the tokenizer feature cache's keys (random features
-  [B, T, h, w, C] in `config.data.feature_cache_dtype`, codes [B, T, h*w]).
+  [B, T, h, w, C] in `config.data.feature_cache_dtype`, codes [B, T, h*w]). With `scenes` rows
+  2i and 2i + 1 have the same before image (keyframe 0), as whole CLEVR scenes do.
   """
   rng = np.random.default_rng(seed)
   s, t, l = config.data.image_size, config.data.num_keyframes + 2, config.data.max_caption_len
   frames = rng.integers(0, 256, (batch_size, t, s, s, 3), dtype=np.uint8)
+  if scenes:
+    frames[1::2, 0] = frames[0::2, 0][:batch_size // 2]
   caption = rng.integers(8, 40, (batch_size, l)).astype(np.int32)
   caption[:, 0] = 4
   caption[:, 12] = 5

@@ -59,7 +59,7 @@ def pair_features(tokenizer: Any, params: Any, batch: dict) -> tuple[jax.Array, 
     return features[:, 0], features[:, -1]
   before, after = jnp.asarray(batch['before']), jnp.asarray(batch['after'])
   nb, b = before.shape[0], after.shape[0]
-  if nb not in (b, b // 2) or (nb != b and b % 2):
+  if nb != b and 2 * nb != b:
     raise ValueError(f'a batch has {nb} before and {b} after images; before needs as many rows '
                      'as after, or half as many (shared by rows 2i and 2i + 1)')
   images = images01(jnp.concatenate([before, after]))
