@@ -105,10 +105,10 @@ def _map_bands(xp: jax.Array, window: tuple, rows: int, bands: int, body,
                out_dtype: Any = jnp.float32) -> jax.Array:
   """`body` of each band's window of the padded images xp, cast to `out_dtype`, stacked over
   B x bands (a `lax.map`): band j of image i is the `window` that starts at row j * rows of
-  xp[i]. bfloat16 results leave the loop as their 16-bit pattern (uint16): XLA:CPU rewrites
+  xp[i]. bfloat16 results leave the loop as their 16-bit pattern (uint16): XLA:CPU compiles
   the loop's update of a bfloat16 output as a conversion of the whole output to float32 and
-  back, which took a 224 px convolution of 8 images from 0.35 to 0.7 s (docs/performance.md,
-  "The tokenizer's convolutions in row bands")."""
+  back, which made the encode much slower (docs/performance.md, "The tokenizer's
+  convolutions in row bands")."""
   bits = jnp.dtype(out_dtype) == jnp.bfloat16
 
   def band(index):
