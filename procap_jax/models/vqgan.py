@@ -101,28 +101,18 @@ def _band_out_side(side: int, stride: int) -> int:
   return side if stride == 1 else (side - 3) // 2 + 1
 
 
-def _map_bands(xp: jax.Array, window: tuple, rows: int, bands: int, body,
-               out_dtype: Any = jnp.float32) -> jax.Array:
-  """`body` of each band's window of the padded images xp, cast to `out_dtype`, stacked over
-  B x bands (a `lax.map`): band j of image i is the `window` that starts at row j * rows of
-  xp[i]. bfloat16 results leave the loop as their 16-bit pattern (uint16): XLA:CPU compiles
-  the loop's update of a bfloat16 output as a conversion of the whole output to float32 and
-  back, which made the encode much slower (docs/performance.md, "The tokenizer's
-  convolutions in row bands")."""
-  bits = jnp.dtype(out_dtype) == jnp.bfloat16
-
+def _map_bands(xp: jax.Array, window: tuple, rows: int, bands: int, body) -> jax.Array:
+  """`body` of each band's window of the padded images xp, stacked over B x bands (a `lax.map`):
+  band j of image i is the `window` that starts at row j * rows of xp[i]."""
   def band(index):
     start = (index // bands, (index % bands) * rows) + (0,) * len(window[1:])
-    y = body(lax.dynamic_slice(xp, start, (1,) + window)[0]).astype(out_dtype)
-    return lax.bitcast_convert_type(y, jnp.uint16) if bits else y
+    return body(lax.dynamic_slice(xp, start, (1,) + window)[0])
 
-  out = lax.map(band, jnp.arange(xp.shape[0] * bands))
-  return lax.bitcast_convert_type(out, jnp.bfloat16) if bits else out
+  return lax.map(band, jnp.arange(xp.shape[0] * bands))
 
 
-def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1,
-                  out_dtype: Any = jnp.float32) -> jax.Array:
-  """3x3 convolution [B, H, W, C] x [3, 3, C, O] -> [B, Ho, Wo, O] as a loop over
+def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1) -> jax.Array:
+  """3x3 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, Ho, Wo, O] as a loop over
   `rows`-row bands of one image's output: each band lays its three column taps side by side
   ([rows of input, Wo, 3C], cache-sized) and sums three products with the kernel's rows.
 
@@ -159,7 +149,7 @@ def _band_product(x: jax.Array, kernel: jax.Array, rows: int, stride: int = 1,
       out = term if out is None else out + term
     return out
 
-  return _map_bands(xp, window, rows, ho // rows, band, out_dtype).reshape(b, ho, wo, o)
+  return _map_bands(xp, window, rows, ho // rows, band).reshape(b, ho, wo, o)
 
 
 # Winograd F(2x2, 3x3) (Lavin and Gray, 2016): a 2x2 output tile is A^T [U * V] A with
@@ -187,13 +177,11 @@ def _winograd_lines(e0, o0, e1, o1):
   return e0 - e1, o0 + e1, e1 - o0, o0 - o1
 
 
-def _winograd_product(x: jax.Array, kernel: jax.Array, rows: int,
-                      out_dtype: Any = jnp.float32) -> jax.Array:
-  """3x3 'SAME' stride-1 convolution [B, H, W, C] x [3, 3, C, O] -> [B, H, W, O] (H, W even) as
-  Winograd F(2x2, 3x3) in `rows`-row bands of one image: the band's 4x4 input tiles are
+def _winograd_product(x: jax.Array, kernel: jax.Array, rows: int) -> jax.Array:
+  """3x3 'SAME' stride-1 convolution [B, H, W, C] x [3, 3, C, O] -> float32 [B, H, W, O] (H, W
+  even) as Winograd F(2x2, 3x3) in `rows`-row bands of one image: the band's 4x4 input tiles are
   transformed in float32 and rounded to x's dtype, multiplied with the transformed kernel in 16
-  products (two calls of 8, one per core) with float32 results, transformed back and cast to
-  `out_dtype`."""
+  products (two calls of 8, one per core) with float32 results, and transformed back."""
   b, h, w, c = x.shape
   o = kernel.shape[-1]
   u = jnp.einsum('ai,ijco,bj->abco', _WINOGRAD_G, kernel.astype(jnp.float32),
@@ -218,8 +206,7 @@ def _winograd_product(x: jax.Array, kernel: jax.Array, rows: int,
     y = jnp.stack([jnp.stack(back(r), axis=2) for r in back(m)], axis=1)  # [R/2, 2, W/2, 2, O]
     return y.reshape(rows, w, o)
 
-  return _map_bands(xp, (rows + 2, w + 2, c), rows, h // rows, band,
-                    out_dtype).reshape(b, h, w, o)
+  return _map_bands(xp, (rows + 2, w + 2, c), rows, h // rows, band).reshape(b, h, w, o)
 
 
 def banded_conv3x3(x: jax.Array, kernel: jax.Array, stride: int = 1,
@@ -247,9 +234,9 @@ def _banded(x, kernel, stride, products):
   h, w, c = x.shape[1:]
   if stride == 1 and h % 2 == 0 and w % 2 == 0 and min(h, w) >= WINOGRAD_MIN_SIDE:
     rows = winograd_rows(h, w, c, x.dtype.itemsize)
-    return _winograd_product(x, kernel, rows, x.dtype)
+    return _winograd_product(x, kernel, rows).astype(x.dtype)
   rows = band_rows(_band_out_side(h, stride), _band_out_side(w, stride), c, x.dtype.itemsize)
-  return _band_product(x, kernel, rows, stride, x.dtype)
+  return _band_product(x, kernel, rows, stride).astype(x.dtype)
 
 
 def _banded_fwd(x, kernel, stride, products):
