@@ -37,6 +37,7 @@ import numpy as np
 
 from bench import common
 from bench import train_step as bench_step
+from procap_jax import hostmem
 from procap_jax import stages
 from procap_jax.diagnostics import stand_ins
 from procap_jax.tasks import caption as caption_task
@@ -102,4 +103,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

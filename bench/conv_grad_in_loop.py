@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from procap_jax import hostmem
+
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,4 +78,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from procap_jax import hostmem
 from procap_jax.models import conv_grads  # noqa: E402
 
 SHAPES = [  # (batch, input side, in channels, out channels, stride): 3x3 kernels
@@ -122,4 +123,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

@@ -19,6 +19,7 @@ import time
 
 from bench import common
 from bench import train_step
+from procap_jax import hostmem
 from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import stand_ins
@@ -65,4 +66,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

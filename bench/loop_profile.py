@@ -25,6 +25,7 @@ import numpy as np
 
 from bench import common
 from bench import train_step as bench_step
+from procap_jax import hostmem
 from procap_jax import sharding
 from procap_jax import stages
 from procap_jax.data import pipeline
@@ -123,4 +124,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from bench import timing
+from procap_jax import hostmem
 
 M = 24 * 811
 SHAPES = {  # name -> (batch or None, m, k, n): [b, m, k] @ [b, k, n]
@@ -157,4 +158,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

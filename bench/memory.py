@@ -34,6 +34,8 @@ def _device_count(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
+  from procap_jax import hostmem
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
                              f'device_count={_device_count(sys.argv)}').strip()
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')

@@ -44,6 +44,7 @@ import numpy as np
 
 from bench import common
 from bench import train_step as bench_step
+from procap_jax import hostmem
 
 # Metadata path parts that only say how an op was reached.
 _WRAPPERS = {'while', 'body', 'closed_call', 'checkpoint', 'remat', 'cond', 'branch_0',
@@ -213,4 +214,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

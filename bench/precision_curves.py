@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 from procap_jax import errors  # noqa: E402
+from procap_jax import hostmem
 from procap_jax import report  # noqa: E402
 
 
@@ -71,4 +72,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

@@ -33,6 +33,7 @@ import numpy as np
 
 from bench import common
 from bench import train_step as bench_step
+from procap_jax import hostmem
 from procap_jax.diagnostics import stand_ins
 from procap_jax.models import vqgan
 
@@ -167,4 +168,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

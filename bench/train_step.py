@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from bench import common
+from procap_jax import hostmem
 from procap_jax import sharding
 from procap_jax import train
 from procap_jax.diagnostics import stand_ins
@@ -363,4 +364,5 @@ def main():
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main()

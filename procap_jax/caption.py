@@ -55,6 +55,7 @@ import numpy as np
 
 from procap_jax import config_lib
 from procap_jax import errors
+from procap_jax import hostmem
 from procap_jax.data import images
 from procap_jax.data import pairing
 
@@ -408,4 +409,5 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   main(sys.argv[1:])

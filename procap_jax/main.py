@@ -32,6 +32,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from procap_jax import errors
+from procap_jax import hostmem
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory of the run.')
@@ -225,4 +226,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  hostmem.reexec_with_hugepages()  # before anything starts: see hostmem
   sys.exit(app.run(main, flags_parser=parse_flags))
