@@ -16,7 +16,8 @@ Two parts, each alternating its forms over `--rounds` rounds (median and best se
     stride-2 convolution), with GFLOP/s and the relative difference from float32.
   - `encode`: `encode_features` of `--images` random images through `vqgan.frozen(config,
     dtype)` for each of `--frozen_dtypes` (`config.tokenizer.frozen_dtype`), random parameters,
-    with the features' relative difference (norm) from float32's and the codes' agreement.
+    with the features' relative difference (norm) from float32's and the codes' agreement,
+    and each call's minor page faults and system seconds (medians; `procap_jax/hostmem.py`).
     `bench/compare_original.py`'s `tokenizer` rows run this part against the original's
     encoder on the same 64 images.
 One JSON line per form (`peak_rss_gib`: the process's, over every form it ran so far). Random
@@ -25,6 +26,7 @@ values: speed does not depend on them.
 
 import argparse
 import json
+import resource
 import time
 
 import jax
@@ -43,14 +45,21 @@ PAPER_SHAPES = ((8, 224, 128, 128, 1), (8, 112, 128, 128, 1), (8, 56, 256, 256, 
                 (8, 112, 128, 128, 2), (8, 56, 256, 256, 2), (8, 28, 256, 256, 2))
 
 
-def _times(fns: dict, args: tuple, rounds: int) -> tuple[dict, dict]:
+def _times(fns: dict, args: tuple, rounds: int, faults: dict | None = None) -> tuple[dict, dict]:
+  """Seconds of each call per function, and the outputs; `faults` (when given) collects each
+  call's (minor page faults, system seconds) per function, from `resource.getrusage`."""
   outs = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}  # compiles
   times = {name: [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
+      before = resource.getrusage(resource.RUSAGE_SELF)
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*args))
       times[name].append(time.perf_counter() - t0)
+      after = resource.getrusage(resource.RUSAGE_SELF)
+      if faults is not None:
+        faults.setdefault(name, []).append((after.ru_minflt - before.ru_minflt,
+                                            after.ru_stime - before.ru_stime))
   return times, outs
 
 
@@ -133,7 +142,8 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
   fns = {d: jax.jit(t.encode_features, out_shardings=out_shardings)
          for d, t in tokenizers.items()}
-  times, outs = _times(fns, (params, x), rounds)
+  faults = {}
+  times, outs = _times(fns, (params, x), rounds, faults)
   codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
   ref = 'float32' if 'float32' in outs else None
   for name, ts in times.items():
@@ -143,6 +153,8 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
         'step_s': float(np.median(ts)), 'step_s_best': float(np.min(ts)),
         'features_rel_diff': _rel(outs[name], outs[ref]) if ref else None,
         'codes_equal_fraction': float(np.mean(codes[name] == codes[ref])) if ref else None,
+        'minor_faults_per_call': float(np.median([f for f, _ in faults[name]])),
+        'system_s_per_call': float(np.median([s for _, s in faults[name]])),
         'rounds': rounds, 'peak_rss_gib': common.peak_rss_gib()}), flush=True)
 
 
