@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from procap_jax import hostmem
+from procap_jax import hostmem  # noqa: E402
 from procap_jax.models import conv_grads  # noqa: E402
 
 SHAPES = [  # (batch, input side, in channels, out channels, stride): 3x3 kernels

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 from procap_jax import errors  # noqa: E402
-from procap_jax import hostmem
+from procap_jax import hostmem  # noqa: E402
 from procap_jax import report  # noqa: E402
 
 

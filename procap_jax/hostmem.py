@@ -66,7 +66,7 @@ def tunables_with_hugepages(environ: dict, glibc: tuple[int, int] | None,
   names = [item.split('=', 1)[0] for item in current.split(':') if item]
   if TUNABLE in names:  # set already, by the user or by the re-execution
     return None
-  return ':'.join([current, f'{TUNABLE}=1'] if current else [f'{TUNABLE}=1'])
+  return f'{current}:{TUNABLE}=1' if current else f'{TUNABLE}=1'
 
 
 def reexec_with_hugepages() -> None:
