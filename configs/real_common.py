@@ -73,8 +73,9 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # 48.7 s with the scan, stage 2 at batch 8 (in 4 micro-batches) 14.1 against 15.0 s; compiled
   # temporaries 2.1 -> 1.9 and 1.8 -> 1.6 GiB (docs/performance.md). Stage 2's dropout draws
   # its masks per micro-batch. On a data-parallel mesh, each micro-batch's rows are what is
-  # spread over the devices: choose M so that batch_size / M covers them, and with larger
-  # micro-batches set scan_blocks (and scan_keep_dense) back on to bound memory.
+  # spread over the devices: choose M so that batch_size / M covers them, attention_group a
+  # multiple of the data axis (each loop step then takes pairs from every device), and with
+  # larger micro-batches set scan_blocks (and scan_keep_dense) back on to bound memory.
   p.scan_blocks, p.attention_chunk, p.attention_group = False, 0, 2
   p.embedding_std = 1.0                          # the original's N(0, 1) tables (4.1)
   p.frame_difference = 'none'                    # the original's frame tokens (fidelity.md)

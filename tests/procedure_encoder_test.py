@@ -368,6 +368,34 @@ def test_grouped_attention_matches_full_attention(mask_shape):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize('mask_shape', [None, (1, 1, 10, 10)])
+def test_grouped_attention_keeps_each_devices_rows_on_a_data_parallel_mesh(mask_shape):
+  """With the batch split over 8 devices and a group of 8 pairs, the compiled forward and
+  backward move nothing between devices (each computes its own rows' attention; when a loop step
+  took consecutive pairs, the partitioner gathered every row onto every device), and the values
+  and gradients are one device's."""
+  import re  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  from procap_jax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(8, 1, devices=jax.devices()[:8])
+  rows = NamedSharding(mesh, PartitionSpec('data'))
+  kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(5), 4)
+  q, k, v, cot = (jax.random.normal(r, (16, 10, 3, 4)) for r in (kq, kk, kv, kg))
+  mask = None if mask_shape is None else jnp.tril(jnp.ones(mask_shape, bool))
+
+  def forward_and_vjp(q, k, v, cot):
+    out, vjp = jax.vjp(lambda q, k, v: layers.grouped_attention(q, k, v, mask, 8, 0.3), q, k, v)
+    return (out, *vjp(cot))
+
+  on_mesh = jax.jit(forward_and_vjp, in_shardings=(rows,) * 4, out_shardings=(rows,) * 4)
+  args = [jax.device_put(x, rows) for x in (q, k, v, cot)]
+  hlo = on_mesh.lower(*args).compile().as_text()
+  moved = re.findall(r'(all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter)', hlo)
+  assert not moved, sorted(set(moved))
+  for got, want in zip(on_mesh(*args), jax.jit(forward_and_vjp)(q, k, v, cot)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_grouped_attention_rejects_a_group_below_one():
   from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
   x = jnp.ones((1, 4, 2, 3))

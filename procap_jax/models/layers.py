@@ -29,6 +29,8 @@ from jax import ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 
+from procap_jax import sharding
+
 Dtype = Any
 Initializer = Any
 
@@ -428,6 +430,13 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
   exponentiating again, and every product asks for a float32 result (the fast bfloat16 form on
   XLA:CPU; `accumulating_einsum`).
 
+  Step j takes pairs j, j + steps, j + 2 steps, ... of the (batch, head) pairs in batch-major
+  order, as training's micro-batches take rows: on a data-parallel mesh, with `group` a
+  multiple of the data axis, every step takes its pairs evenly from all devices and each device
+  computes its own rows' attention. (With consecutive pairs per step, the loop ran over the
+  sharded axis and the partitioner gathered the whole batch's queries, keys and values onto
+  every device, each of which then computed all of it.)
+
   Args:
     q: [B, T, H, Dh] queries.
     k, v: [B, S, H, Dh].
@@ -447,8 +456,9 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
   group = max(d for d in range(1, min(group, pairs) + 1) if pairs % d == 0)
   steps = pairs // group
 
-  def by_pair(x):  # [B, L, H, Dh] -> [steps, group, L, Dh], pairs in (batch, head) order
-    return jnp.transpose(x, (0, 2, 1, 3)).reshape(steps, group, x.shape[1], dh)
+  def by_pair(x):  # [B, L, H, Dh] -> [steps, group, L, Dh]; step j: pairs j, j + steps, ...
+    pairs_first = jnp.transpose(x, (0, 2, 1, 3)).reshape(pairs, x.shape[1], dh)
+    return sharding.interleaved_rows(pairs_first, steps)
 
   if mask is not None:
     mask = jnp.asarray(mask)
@@ -458,17 +468,18 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
 
   @jax.checkpoint
   def one(args):
-    qg, kg, vg, first = args  # [group, T|S, Dh] x 3, index of the step's first pair
+    qg, kg, vg, first = args  # [group, T|S, Dh] x 3, the step's first pair (its index j)
     if shared:
       mg = None if mask is None else mask[0]  # [1, T, S]
     else:
-      idx = first + jnp.arange(group)  # [group] pair indices
+      idx = first + steps * jnp.arange(group)  # [group] pair indices
       mg = mask[idx // h if mask.shape[0] > 1 else 0, idx % h if mask.shape[1] > 1 else 0]
       mg = mg.reshape(-1, t, s)  # [group | 1, T, S]
     return _pairs_attention(qg, kg, vg, mg, scale)  # [group, T, Dh]
 
-  firsts = jnp.arange(steps) * group
+  firsts = jnp.arange(steps)
   out = jax.lax.map(one, (by_pair(q), by_pair(k), by_pair(v), firsts))  # [steps, group, T, Dh]
+  out = jnp.swapaxes(out, 0, 1)  # [group, steps, T, Dh]: pair order again
   return jnp.transpose(out.reshape(b, h, t, dh), (0, 2, 1, 3))  # [B, T, H, Dh]
 
 

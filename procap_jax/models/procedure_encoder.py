@@ -158,7 +158,8 @@ class ProcedureEncoder(nn.Module):
       at a time (`layers.grouped_attention`, taking precedence over `attention_chunk`): the
       same values and parameter tree, a [G, S, S] block of scores alive at a time, which stays
       in a CPU's cache (attention 1.4 to 2.5 times as fast as either form above;
-      docs/performance.md).
+      docs/performance.md). On a data-parallel mesh, a multiple of the data axis keeps each
+      device's rows on that device (each loop step takes pairs from every device).
     frame_difference: 'none' (the original) | 'before': every frame token after the first also
       adds `diff_to_embedding`, a Dense of (its tokenizer feature - the first frame's feature at
       the same grid position), zero where either token is masked. Not in the original: it hands
