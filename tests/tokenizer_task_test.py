@@ -238,6 +238,42 @@ def test_frames_chunk_gives_the_same_loss_gradients_and_statistics(gan_weight):
   assert ('disc' in g1) == (gan_weight > 0)
 
 
+def test_frames_chunk_keeps_each_devices_frames_on_a_data_parallel_mesh():
+  """With 16 frames split over 8 devices and chunks of 8, every chunk takes one frame from each
+  device: the compiled loss and gradient gather no frames (when a chunk held consecutive
+  frames, all on one device, the loop gathered every frame onto every device and each device
+  ran the whole batch), and the per-frame outputs are in the frames' order, one device's."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  from procap_jax import sharding  # pylint: disable=import-outside-toplevel
+  config = _config(frames_per_example=0, frames_chunk=8)
+  model = tokenizer.build_model(config)
+  scenes = _scenes(4)
+  params = _params(model, config, {'keyframes': scenes})
+  x = jnp.asarray(scenes.reshape((-1,) + scenes.shape[2:]), jnp.float32) / 255.0  # [16, ...]
+  frozen = ml_collections.FrozenConfigDict(config)
+
+  def terms(params, x):
+    means, per_frame = tokenizer.chunked_frame_terms(params, x, jax.random.key(1), frozen, model)
+    return means['l1'], per_frame['mse']
+
+  grad = jax.value_and_grad(terms, has_aux=True)
+  mesh = sharding.make_mesh(8, 1, devices=jax.devices()[:8])
+  frames = NamedSharding(mesh, PartitionSpec('data'))
+  on_mesh = jax.jit(grad, in_shardings=(sharding.replicated(mesh), frames))
+  x_mesh = jax.device_put(x, frames)
+  hlo = on_mesh.lower(params, x_mesh).compile().as_text()
+  assert 'all-gather' not in hlo
+  (l1, mse), g = on_mesh(params, x_mesh)
+  (l1_one, mse_one), g_one = jax.jit(grad)(params, x)
+  np.testing.assert_allclose(l1, l1_one, rtol=1e-5)
+  np.testing.assert_allclose(mse, mse_one, rtol=1e-4, atol=1e-7)
+  whole = jax.jit(lambda x: tokenizer._frame_terms(  # pylint: disable=protected-access
+      params, x, jax.random.key(1), frozen, model)[1]['mse'])(x)
+  np.testing.assert_allclose(mse_one, whole, rtol=1e-4, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_one)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+
+
 def test_frames_chunk_must_divide_the_frames():
   config = _config(frames_chunk=3)
   model = tokenizer.build_model(config)

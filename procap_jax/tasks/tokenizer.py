@@ -216,7 +216,9 @@ def chunked_frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
   chunk's input frames and recomputes one chunk's activations at a time: memory for C frames
   instead of F, for the same values (up to summation order; dropout masks differ per chunk).
   XLA:CPU keeps `nn.remat` recomputations alive across blocks, so only a loop bounds it
-  (docs/performance.md, "Memory").
+  (docs/performance.md, "Memory"). Chunk j holds frames j, j + F/C, ... (as training's
+  micro-batches take rows), so on a data-parallel mesh with C a multiple of the data axis each
+  chunk takes frames from every device, and each device runs its own frames.
   """
   f = x.shape[0]
   c = int(config.tokenizer.train.frames_chunk)
@@ -225,7 +227,7 @@ def chunked_frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
   if f % c:
     raise ValueError(f'config.tokenizer.train.frames_chunk={c} must divide the {f} frames of a '
                      'step (batch_size x frames_per_example)')
-  chunks = x.reshape((f // c, c) + x.shape[1:])  # [F/C, C, S, S, 3]
+  chunks = sharding.interleaved_rows(x, f // c)  # [F/C, C, S, S, 3]: frames j, j + F/C, ...
   rngs = jax.random.split(dropout_rng, f // c)
 
   @jax.checkpoint
@@ -236,7 +238,8 @@ def chunked_frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
   with conv_grads.in_loop():  # the library's convolution gradients crawl inside loops
     means, per_frame = jax.lax.map(body, (chunks, rngs))
   means = jax.tree.map(lambda v: jnp.mean(v, axis=0), means)
-  per_frame = jax.tree.map(lambda v: v.reshape((f,) + v.shape[2:]), per_frame)  # [F, ...]
+  per_frame = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1).reshape((f,) + v.shape[2:]),
+                           per_frame)  # [F, ...] in the frames' order
   return means, per_frame
 
 
