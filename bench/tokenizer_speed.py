@@ -25,6 +25,7 @@ values: speed does not depend on them.
 """
 
 import argparse
+import functools
 import json
 import resource
 import time
@@ -133,6 +134,7 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
   side = x.shape[1]
   tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
   devices, out_shardings = 1, None
+  per_device = lambda f: f
   if shard_images:  # data-parallel over every visible device, the parameters replicated
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     mesh = Mesh(np.array(jax.devices()), ('data',))
@@ -140,11 +142,16 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
     out_shardings = NamedSharding(mesh, PartitionSpec('data'))
     x = jax.device_put(x, out_shardings)
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-  fns = {d: jax.jit(t.encode_features, out_shardings=out_shardings)
+    # Each device encodes its own images: under plain jit the encode's loops over images (bf16
+    # chunks and row bands) would make the partitioner gather every image onto every device.
+    per_device = functools.partial(jax.shard_map, mesh=mesh, out_specs=PartitionSpec('data'),
+                                   in_specs=(PartitionSpec(), PartitionSpec('data')))
+  fns = {d: jax.jit(per_device(t.encode_features), out_shardings=out_shardings)
          for d, t in tokenizers.items()}
   faults = {}
   times, outs = _times(fns, (params, x), rounds, faults)
-  codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
+  codes = {d: np.asarray(jax.jit(per_device(t.encode_tokens))(params, x))
+           for d, t in tokenizers.items()}
   ref = 'float32' if 'float32' in outs else None
   for name, ts in times.items():
     print(json.dumps({
@@ -170,7 +177,8 @@ def main():
   parser.add_argument('--frozen_dtypes', default='float32,bfloat16',
                       help='comma-separated, in this order (float32 first for the differences)')
   parser.add_argument('--shard_images', action='store_true',
-                      help='encode data-parallel over every host device (set their number with '
+                      help='encode data-parallel over every host device, each its own images '
+                           '(jax.shard_map; set their number with '
                            'XLA_FLAGS=--xla_force_host_platform_device_count=N)')
   args = parser.parse_args()
   if not args.skip_convs:
