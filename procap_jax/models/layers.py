@@ -433,9 +433,9 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
   Step j takes pairs j, j + steps, j + 2 steps, ... of the (batch, head) pairs in batch-major
   order, as training's micro-batches take rows: on a data-parallel mesh, with `group` a
   multiple of the data axis, every step takes its pairs evenly from all devices and each device
-  computes its own rows' attention. (With consecutive pairs per step, the loop ran over the
-  sharded axis and the partitioner gathered the whole batch's queries, keys and values onto
-  every device, each of which then computed all of it.)
+  computes its own rows' attention. (Consecutive pairs per step would put the loop over the
+  sharded axis, and the partitioner would gather the whole batch's queries, keys and values onto
+  every device, each of which would then compute all of it.)
 
   Args:
     q: [B, T, H, Dh] queries.
