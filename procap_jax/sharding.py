@@ -183,6 +183,11 @@ def interleaved_rows(x: jax.Array, groups: int) -> jax.Array:
   return x.reshape((x.shape[0] // groups, groups) + x.shape[1:]).swapaxes(0, 1)
 
 
+def rows_in_order(x: jax.Array) -> jax.Array:
+  """The inverse of `interleaved_rows`: [groups, B / groups, ...] -> [B, ...] in row order."""
+  return x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
   """Places a host batch (numpy) on the mesh, batch axis over 'data'.
 

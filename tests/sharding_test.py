@@ -123,3 +123,12 @@ def test_place_eval_batch_splits_the_rows_the_data_axis_divides():
   w = jax.device_put(jnp.ones((3, 4)), sharding.replicated(sharding.mesh_from_config(config)))
   f = jax.jit(lambda w, x: x @ w)
   np.testing.assert_allclose(np.asarray(f(w, placed['frames'])), batch['frames'] @ np.ones((3, 4)))
+
+
+def test_interleaved_rows_and_rows_in_order():
+  """Group j holds rows j, j + groups, ...; `rows_in_order` puts them back in row order."""
+  x = jnp.arange(12 * 2).reshape(12, 2)
+  grouped = sharding.interleaved_rows(x, 3)  # [3, 4, 2]
+  assert grouped.shape == (3, 4, 2)
+  assert grouped[1, :, 0].tolist() == [2, 8, 14, 20]  # rows 1, 4, 7, 10
+  assert (sharding.rows_in_order(grouped) == x).all()

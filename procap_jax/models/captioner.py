@@ -209,4 +209,4 @@ def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,
   memory = jax.lax.map(
       lambda f: model.apply({'params': params}, f[0], f[1], method='encode'),
       (split(before_feats), split(after_feats)))  # [calls, rows, M, H]
-  return jnp.swapaxes(memory, 0, 1).reshape((calls * rows,) + memory.shape[2:])[:b]
+  return sharding.rows_in_order(memory)[:b]

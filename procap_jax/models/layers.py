@@ -479,7 +479,7 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
 
   firsts = jnp.arange(steps)
   out = jax.lax.map(one, (by_pair(q), by_pair(k), by_pair(v), firsts))  # [steps, group, T, Dh]
-  out = jnp.swapaxes(out, 0, 1)  # [group, steps, T, Dh]: pair order again
+  out = sharding.rows_in_order(out)  # [B * H, T, Dh] in pair order
   return jnp.transpose(out.reshape(b, h, t, dh), (0, 2, 1, 3))  # [B, T, H, Dh]
 
 

@@ -238,8 +238,7 @@ def chunked_frame_terms(params: Any, x: jax.Array, dropout_rng: jax.Array,
   with conv_grads.in_loop():  # the library's convolution gradients crawl inside loops
     means, per_frame = jax.lax.map(body, (chunks, rngs))
   means = jax.tree.map(lambda v: jnp.mean(v, axis=0), means)
-  per_frame = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1).reshape((f,) + v.shape[2:]),
-                           per_frame)  # [F, ...] in the frames' order
+  per_frame = jax.tree.map(sharding.rows_in_order, per_frame)  # [F, ...] in the frames' order
   return means, per_frame
 
 
