@@ -5,6 +5,7 @@ maps them to the mesh axes ('data', 'model'). A dimension whose size the mesh ax
 divide is replicated instead (so every mesh shape that divides the devices works).
 """
 
+import contextlib
 import functools
 import os
 from typing import Any, Sequence
@@ -210,6 +211,22 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
   return out
 
 
+def eval_mesh(config) -> Mesh | None:
+  """The mesh evaluation splits its rows over (`place_eval_batch`): `config.mesh` when one
+  process has several devices, else None (one device; or several processes, each of which
+  evaluates whole batches)."""
+  if jax.device_count() == 1 or jax.process_count() > 1:
+    return None
+  return mesh_from_config(config)
+
+
+def eval_context(config) -> Any:
+  """A context manager for calling an evaluation function: `jax.set_mesh` of `eval_mesh`, so
+  code traced inside sees the mesh (`jax.sharding.get_abstract_mesh`), or nothing without one."""
+  mesh = eval_mesh(config)
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 def place_eval_batch(tree: Any, config) -> Any:
   """Host arrays of an evaluation batch, rows split over the mesh's 'data' axis.
 
@@ -219,9 +236,9 @@ def place_eval_batch(tree: Any, config) -> Any:
   divide, scalars, and every array under several processes (each evaluates whole batches)
   stay as they are.
   """
-  if jax.device_count() == 1 or jax.process_count() > 1:
+  mesh = eval_mesh(config)
+  if mesh is None:
     return tree
-  mesh = mesh_from_config(config)
   rows = mesh.shape['data']
 
   def place(v):

@@ -214,6 +214,12 @@ def make_train_step(task: 'Task', model, config, tx, state_sh, batch_sh, const_s
   """The jitted, donated train step `(state, batch, constants, rng) -> (state, metrics)`."""
 
   def step(state, batch, constants, rng):
+    # The mesh in context while tracing: code that must split work by device (the frozen
+    # tokenizer's chunked encode, `vqgan.Frozen`) reads it from `jax.sharding.get_abstract_mesh`.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return traced_step(state, batch, constants, rng)
+
+  def traced_step(state, batch, constants, rng):
     rng = jax.random.fold_in(rng, state.step)
 
     if task.value_and_grad is None:

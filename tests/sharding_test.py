@@ -125,6 +125,17 @@ def test_place_eval_batch_splits_the_rows_the_data_axis_divides():
   np.testing.assert_allclose(np.asarray(f(w, placed['frames'])), batch['frames'] @ np.ones((3, 4)))
 
 
+def test_eval_context_puts_the_eval_mesh_in_context():
+  """Functions traced for evaluation see the mesh its rows are split over (the frozen
+  tokenizer's encode reads it to run on each device's own images)."""
+  config = _device_config()
+  assert jax.sharding.get_abstract_mesh().empty
+  with sharding.eval_context(config):
+    assert dict(jax.sharding.get_abstract_mesh().shape) == {'data': 8, 'model': 1}
+  assert jax.sharding.get_abstract_mesh().empty
+  assert sharding.eval_mesh(config) == sharding.mesh_from_config(config)
+
+
 def test_interleaved_rows_and_rows_in_order():
   """Group j holds rows j, j + groups, ...; `rows_in_order` puts them back in row order."""
   x = jnp.arange(12 * 2).reshape(12, 2)

@@ -8,6 +8,7 @@ from procap_jax import sharding
 from procap_jax import stages
 from procap_jax import train
 from procap_jax.diagnostics import stand_ins
+from procap_jax.models import vqgan
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4)]
 # Every mesh for stage 1 (its parameters are the ones split over 'model' below); the other
@@ -92,3 +93,29 @@ def test_fsdp_rules_shard_every_matrix_and_keep_the_losses(config):
     for x in jax.tree.leaves(tree):
       if getattr(x, 'ndim', 0) == 2 and any(d % 4 == 0 for d in x.shape):
         assert 'model' in str(x.sharding.spec), (x.shape, x.sharding.spec)
+
+
+def test_step_is_traced_under_its_mesh(config, monkeypatch):
+  """Code that splits work by device reads the step's mesh while it is traced (the frozen
+  tokenizer's encode, `vqgan.Frozen`, runs each device's own images through `jax.shard_map`)."""
+  seen = []
+  encode = vqgan.Frozen._encode
+
+  def recording(self, params, images, method):
+    seen.append(dict(jax.sharding.get_abstract_mesh().shape))
+    return encode(self, params, images, method)
+
+  monkeypatch.setattr(vqgan.Frozen, '_encode', recording)
+  mesh = sharding.make_mesh(4, 2)
+  task = stages.TASKS['pretrain']
+  model = task.build_model(config)
+  tx = task.make_optimizer(config, 100)
+  batch = stand_ins.fake_batch(config, 8, seed=1)
+  state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
+  constants = {'tokenizer': _TOKENIZER[0]}
+  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
+  batch_sh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
+  step = train.make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)
+  step.trace(state, sharding.shard_batch(batch, mesh), jax.device_put(constants, const_sh),
+             jax.random.key(7))
+  assert seen and all(s == {'data': 4, 'model': 2} for s in seen), seen

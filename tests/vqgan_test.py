@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import synthetic
+from procap_jax import sharding
 from procap_jax.models import vqgan
 
 TINY = dict(ch=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), resolution=16,
@@ -445,3 +446,38 @@ def test_frozen_chunks_give_the_unchunked_values():
   assert vqgan.frozen(WIDE).chunk == 0  # float32 programs as before
   with pytest.raises(ValueError, match='float32 or bfloat16'):
     vqgan.frozen(WIDE, 'float16')
+
+
+def test_chunked_encode_runs_on_each_devices_own_images():
+  """Under a mesh in context (as the train step and evaluation trace), the bf16 encode's chunk
+  and band loops, which step over images, must not gather every image onto every device."""
+  mesh = sharding.make_mesh(data=4, model=2)
+  x = _images(8, 16)
+  params = _variables(vqgan.VQGAN(**WIDE), 16)['params']
+  frozen = vqgan.Frozen(vqgan.VQGAN(**WIDE, dtype=jnp.bfloat16), chunk=2)
+  # Each device's program is one device's encode of its 2 images (the chunk loop, which rounds
+  # bf16 differently from a single call, does not run for 2 images).
+  want = {m: jnp.concatenate([jax.jit(getattr(frozen, m))(params, x[i:i + 2])
+                              for i in range(0, 8, 2)])
+          for m in ('encode_features', 'encode_tokens')}
+  x_mesh = jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+  params_mesh = jax.device_put(params, sharding.replicated(mesh))
+
+  def traced_under(method):
+    def f(p, images):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return getattr(frozen, method)(p, images)
+    return jax.jit(f)
+
+  for method, ref in want.items():
+    fn = traced_under(method)
+    hlo = fn.lower(params_mesh, x_mesh).compile().as_text()
+    assert 'all-gather' not in hlo and 'all-to-all' not in hlo
+    got = fn(params_mesh, x_mesh)
+    assert got.sharding.spec[0] == 'data'
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  # Images the data axis does not divide: the loops as without a mesh, same values.
+  with jax.set_mesh(mesh):
+    odd = jax.jit(frozen.encode_features)(params_mesh, x[:6])
+  np.testing.assert_array_equal(np.asarray(odd),
+                                np.asarray(jax.jit(frozen.encode_features)(params, x[:6])))

@@ -48,6 +48,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 import numpy as np
 
 from procap_jax.models import conv_grads
@@ -639,12 +640,25 @@ class Frozen:
 
   `params` are the VQGAN's 'params' collection; images are float [M, S, S, 3] in [0, 1].
   `chunk` > 0 encodes `chunk` images at a time (a `lax.map`; the last chunk zero-padded): the
-  memory of one chunk's activations, the same values.
+  memory of one chunk's activations, the same values. Traced under a mesh whose 'data' axis
+  divides the images (`jax.sharding.get_abstract_mesh`: the train step's, `jax.set_mesh`'s), a
+  chunked encode runs on each device's own images (`jax.shard_map`): its chunk and row-band
+  loops step over images, which would make the partitioner gather every image onto every
+  device.
   """
   model: VQGAN
   chunk: int = 0
 
   def _encode(self, params: Any, images: jax.Array, method: str) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    data = 1 if mesh.empty or 'data' not in mesh.axis_names else mesh.shape['data']
+    if self.chunk and data > 1 and images.shape[0] % data == 0:
+      spec = PartitionSpec('data')
+      return jax.shard_map(lambda p, x: self._encode_here(p, x, method), mesh=mesh,
+                           in_specs=(PartitionSpec(), spec), out_specs=spec)(params, images)
+    return self._encode_here(params, images, method)
+
+  def _encode_here(self, params: Any, images: jax.Array, method: str) -> jax.Array:
     m, c = images.shape[0], self.chunk
     if not c or m <= c:
       return self.model.apply({'params': params}, images, method=method)

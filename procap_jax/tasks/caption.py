@@ -302,9 +302,10 @@ def generate(params: Any, constants: dict, config: ml_collections.ConfigDict, mo
   pair = ({'before': before, 'after': after} if keyframe_features is None
           else {encodings.CACHED: keyframe_features})
   pair = sharding.place_eval_batch(encodings.share_before(pair), config)
-  return np.asarray(_generate(
-      nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
-      tokenizer=tokenizer or vqgan_tokenizer(config), **config_lib.decoding_settings(config)))
+  with sharding.eval_context(config):
+    return np.asarray(_generate(
+        nn.meta.unbox(params), constants['tokenizer'], pair, model=model,
+        tokenizer=tokenizer or vqgan_tokenizer(config), **config_lib.decoding_settings(config)))
 
 
 def imagine_frames(params: Any, constants: dict, config: ml_collections.ConfigDict,

@@ -433,8 +433,9 @@ def evaluate_batches(params: Any, tokenizer_params: Any, config: ml_collections.
   for i, batch in enumerate(batches):
     rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), i)
     inputs = sharding.place_eval_batch({k: batch[k] for k in _EVAL_KEYS if k in batch}, config)
-    sums = _statistics_jit(params, tokenizer_params, inputs, rng,
-                           config=frozen, model=model, tokenizer=tokenizer)
+    with sharding.eval_context(config):
+      sums = _statistics_jit(params, tokenizer_params, inputs, rng,
+                             config=frozen, model=model, tokenizer=tokenizer)
     for k, v in jax.device_get(sums).items():
       totals[k] += float(v)
   return {k: float(v) for k, v in losses_from_sums(
