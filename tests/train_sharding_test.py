@@ -119,3 +119,36 @@ def test_step_is_traced_under_its_mesh(config, monkeypatch):
   step.trace(state, sharding.shard_batch(batch, mesh), jax.device_put(constants, const_sh),
              jax.random.key(7))
   assert seen and all(s == {'data': 4, 'model': 2} for s in seen), seen
+
+
+@pytest.mark.parametrize('stage', ['pretrain', 'caption', 'tokenizer'])
+def test_no_step_gathers_activations_on_a_data_mesh(config, stage):
+  """On a data-parallel mesh each device computes its own rows in every loop the presets use
+  (attention pair groups, micro-batches, the bf16 frozen encode's chunks and row bands, the
+  tokenizer's frame chunks), each set by its documented rule for the data axis: the compiled
+  step gathers no floating-point array (a loop stepping over the sharded rows would make the
+  partitioner gather the whole batch onto every device, right values at D times the work).
+  Parameters are replicated on an (8, 1) mesh; rows paired across the batch (stage 1's rolled
+  captions) move by collective-permute, and the batch's integer frame indices are gathered."""
+  import re
+  cfg = config.copy_and_resolve_references()
+  cfg.pretrain.model.attention_group = 8          # a multiple of the data axis
+  cfg.tokenizer.frozen_dtype = 'bfloat16'         # chunked, banded frozen encode
+  cfg.pretrain.train.micro_batches = 2            # batch / M rows cover the devices
+  cfg.caption.train.micro_batches = 2
+  cfg.tokenizer.train.frames_chunk = 8            # a multiple of the data axis
+  mesh = sharding.make_mesh(8, 1)
+  task = stages.TASKS[stage]
+  model = task.build_model(cfg)
+  tx = task.make_optimizer(cfg, 100)
+  batch = train.host_batch(task, stand_ins.fake_batch(cfg, 16, seed=1), mesh)
+  state, state_sh = train.create_state(task, model, cfg, tx, jax.random.key(0), batch, mesh)
+  constants = None if stage == 'tokenizer' else {'tokenizer': _TOKENIZER[0]}
+  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
+  batch_sh = {k: sharding.batch_sharding(mesh, np.asarray(v).ndim) for k, v in batch.items()}
+  step = train.make_train_step(task, model, cfg, tx, state_sh, batch_sh, const_sh, mesh)
+  hlo = step.lower(state, sharding.shard_batch(batch, mesh), jax.device_put(constants, const_sh),
+                   jax.random.key(7)).compile().as_text()
+  gathered = re.findall(r'= ((?:f|bf)\d+\[[^\]]*\])\S* all-gather\(', hlo)
+  assert not gathered, gathered
+  assert 'all-reduce(' in hlo   # the gradients' sum over devices: the pattern reads this HLO
