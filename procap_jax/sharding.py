@@ -178,6 +178,37 @@ def process_batch_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
   return first * per, (first + count) * per
 
 
+def replicated_work_notes(config, stage: str, data: int) -> list[str]:
+  """One sentence per setting of `stage` that makes a loop over rows run every device's rows on
+  every device of a mesh with `data` positions on its 'data' axis (the values stay right; the
+  work is up to `data` times): a loop step takes rows j, j + steps, ... and so spreads over the
+  devices only when its rows are a multiple of the data axis. Empty for one data position."""
+  if data <= 1:
+    return []
+  checks = []   # (setting, its value, rows per loop step, what a step holds, the fix)
+  if stage in ('pretrain', 'caption'):
+    train = config[stage].train
+    micro, batch = int(train.get('micro_batches', 1)), int(train.batch_size)
+    if micro > 1 and not batch % micro:
+      checks.append((f'config.{stage}.train.micro_batches', micro, batch // micro,
+                     'rows per micro-batch', f'batch_size / micro_batches a multiple of {data}'))
+    group = int(config.pretrain.model.get('attention_group', 0))
+    checks.append(('config.pretrain.model.attention_group', group, group,
+                   '(row, head) pairs per attention step', f'a multiple of {data} or 0'))
+  if stage == 'caption':
+    rows = int(config.caption.decoding.get('encode_rows', 0))
+    checks.append(('config.caption.decoding.encode_rows', rows, rows,
+                   "pairs per evaluation encoder call", f'a multiple of {data} or 0'))
+  if stage == 'tokenizer':
+    chunk = int(config.tokenizer.train.get('frames_chunk', 0))
+    checks.append(('config.tokenizer.train.frames_chunk', chunk, chunk, 'frames per chunk',
+                   f'a multiple of {data} or 0'))
+  return [f'{key}={value}: {what} {rows}, not a multiple of the mesh\'s {data} data devices, so '
+          f'each device computes all of them (right values, up to {data} times the work); make '
+          f'it {fix}'
+          for key, value, rows, what, fix in checks if rows > 0 and rows % data]
+
+
 def interleaved_rows(x: jax.Array, groups: int) -> jax.Array:
   """[B, ...] -> [groups, B / groups, ...]: group j holds rows j, j + groups, j + 2 groups, ...
   (so a batch sharded over devices stays spread evenly over the groups). `groups` divides B."""

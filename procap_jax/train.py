@@ -324,6 +324,8 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     raise errors.UserError(f'{task.name} batch size {batch_size} is not divisible by the mesh '
                            f'data axis ({mesh.shape["data"]}); change '
                            f'config.{task.name}.train.batch_size')
+  for note in sharding.replicated_work_notes(config, task.name, mesh.shape['data']):
+    print(f'[{task.name}] note: {note}', flush=True)
   seed = int(config.seed)
   select_name, select_mode = SELECTION[task.name]
 

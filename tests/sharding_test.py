@@ -143,3 +143,27 @@ def test_interleaved_rows_and_rows_in_order():
   assert grouped.shape == (3, 4, 2)
   assert grouped[1, :, 0].tolist() == [2, 8, 14, 20]  # rows 1, 4, 7, 10
   assert (sharding.rows_in_order(grouped) == x).all()
+
+
+def test_replicated_work_notes_name_the_settings_that_do_not_divide_the_data_axis():
+  from configs import synthetic
+  config = synthetic.get_config('tiny')
+  assert sharding.replicated_work_notes(config, 'pretrain', 1) == []
+  assert sharding.replicated_work_notes(config, 'pretrain', 2) == []   # tiny: no loop set
+  config.pretrain.train.batch_size = 8
+  config.pretrain.train.micro_batches = 8            # one row per micro-batch
+  config.pretrain.model.attention_group = 3
+  notes = sharding.replicated_work_notes(config, 'pretrain', 2)
+  assert len(notes) == 2
+  assert notes[0].startswith('config.pretrain.train.micro_batches=8: rows per micro-batch 1,')
+  assert notes[1].startswith('config.pretrain.model.attention_group=3:')
+  assert sharding.replicated_work_notes(config, 'pretrain', 3)[0].startswith(
+      'config.pretrain.train.micro_batches=8')
+  config.pretrain.train.micro_batches, config.pretrain.model.attention_group = 4, 4
+  assert sharding.replicated_work_notes(config, 'pretrain', 2) == []
+  assert len(sharding.replicated_work_notes(config, 'pretrain', 4)) == 1   # 2 rows on 4
+  config.caption.decoding.encode_rows = 3
+  assert any('encode_rows=3' in n for n in sharding.replicated_work_notes(config, 'caption', 2))
+  config.tokenizer.train.frames_chunk = 4
+  assert sharding.replicated_work_notes(config, 'tokenizer', 4) == []
+  assert 'frames_chunk=4' in sharding.replicated_work_notes(config, 'tokenizer', 8)[0]
