@@ -18,22 +18,27 @@ STAGE_MESHES = {'pretrain': MESHES, 'caption': [MESHES[0], MESHES[2]],
                 'tokenizer': [MESHES[0], MESHES[2]]}
 
 
-def _two_steps(config, stage, mesh_shape):
-  n = mesh_shape[0] * mesh_shape[1]
-  mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
+def _step(config, stage, mesh, batch_size=8):
+  """(jitted train step, state, placed batch, placed constants) of `stage` on `mesh`."""
   task = stages.TASKS[stage]
   model = task.build_model(config)
   tx = task.make_optimizer(config, 100)
-  batch = stand_ins.fake_batch(config, 8, seed=1)
+  batch = train.host_batch(task, stand_ins.fake_batch(config, batch_size, seed=1), mesh)
   state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
   constants = None if stage == 'tokenizer' else {'tokenizer': _TOKENIZER[0]}
   const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
-  constants = jax.device_put(constants, const_sh)
-  batch_sh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
+  batch_sh = {k: sharding.batch_sharding(mesh, np.asarray(v).ndim) for k, v in batch.items()}
   step = train.make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)
+  return step, state, sharding.shard_batch(batch, mesh), jax.device_put(constants, const_sh)
+
+
+def _two_steps(config, stage, mesh_shape):
+  n = mesh_shape[0] * mesh_shape[1]
+  mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
+  step, state, batch, constants = _step(config, stage, mesh)
   losses = []
   for _ in range(2):
-    state, metrics = step(state, sharding.shard_batch(batch, mesh), constants, jax.random.key(7))
+    state, metrics = step(state, batch, constants, jax.random.key(7))
     losses.append(float(metrics['loss']))
   leaf = jax.tree.leaves(state.params)[0]
   return losses, np.asarray(jax.device_get(leaf)), state
@@ -106,18 +111,8 @@ def test_step_is_traced_under_its_mesh(config, monkeypatch):
     return encode(self, params, images, method)
 
   monkeypatch.setattr(vqgan.Frozen, '_encode', recording)
-  mesh = sharding.make_mesh(4, 2)
-  task = stages.TASKS['pretrain']
-  model = task.build_model(config)
-  tx = task.make_optimizer(config, 100)
-  batch = stand_ins.fake_batch(config, 8, seed=1)
-  state, state_sh = train.create_state(task, model, config, tx, jax.random.key(0), batch, mesh)
-  constants = {'tokenizer': _TOKENIZER[0]}
-  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
-  batch_sh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
-  step = train.make_train_step(task, model, config, tx, state_sh, batch_sh, const_sh, mesh)
-  step.trace(state, sharding.shard_batch(batch, mesh), jax.device_put(constants, const_sh),
-             jax.random.key(7))
+  step, state, batch, constants = _step(config, 'pretrain', sharding.make_mesh(4, 2))
+  step.trace(state, batch, constants, jax.random.key(7))
   assert seen and all(s == {'data': 4, 'model': 2} for s in seen), seen
 
 
@@ -137,18 +132,8 @@ def test_no_step_gathers_activations_on_a_data_mesh(config, stage):
   cfg.pretrain.train.micro_batches = 2            # batch / M rows cover the devices
   cfg.caption.train.micro_batches = 2
   cfg.tokenizer.train.frames_chunk = 8            # a multiple of the data axis
-  mesh = sharding.make_mesh(8, 1)
-  task = stages.TASKS[stage]
-  model = task.build_model(cfg)
-  tx = task.make_optimizer(cfg, 100)
-  batch = train.host_batch(task, stand_ins.fake_batch(cfg, 16, seed=1), mesh)
-  state, state_sh = train.create_state(task, model, cfg, tx, jax.random.key(0), batch, mesh)
-  constants = None if stage == 'tokenizer' else {'tokenizer': _TOKENIZER[0]}
-  const_sh = jax.tree.map(lambda _: sharding.replicated(mesh), constants)
-  batch_sh = {k: sharding.batch_sharding(mesh, np.asarray(v).ndim) for k, v in batch.items()}
-  step = train.make_train_step(task, model, cfg, tx, state_sh, batch_sh, const_sh, mesh)
-  hlo = step.lower(state, sharding.shard_batch(batch, mesh), jax.device_put(constants, const_sh),
-                   jax.random.key(7)).compile().as_text()
+  step, state, batch, constants = _step(cfg, stage, sharding.make_mesh(8, 1), batch_size=16)
+  hlo = step.lower(state, batch, constants, jax.random.key(7)).compile().as_text()
   gathered = re.findall(r'= ((?:f|bf)\d+\[[^\]]*\])\S* all-gather\(', hlo)
   assert not gathered, gathered
   assert 'all-reduce(' in hlo   # the gradients' sum over devices: the pattern reads this HLO
