@@ -25,7 +25,7 @@ values: speed does not depend on them.
 """
 
 import argparse
-import functools
+import contextlib
 import json
 import resource
 import time
@@ -133,25 +133,21 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
     x = jax.random.uniform(jax.random.key(0), (images, side, side, 3))
   side = x.shape[1]
   tokenizers = {d: vqgan.frozen(config.tokenizer.model, d) for d in dtypes}
-  devices, out_shardings = 1, None
-  per_device = lambda f: f
+  devices, on_mesh = 1, contextlib.nullcontext()
   if shard_images:  # data-parallel over every visible device, the parameters replicated
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    mesh = Mesh(np.array(jax.devices()), ('data',))
+    from procap_jax import sharding
+    mesh = sharding.make_mesh()
     devices = mesh.size
-    out_shardings = NamedSharding(mesh, PartitionSpec('data'))
-    x = jax.device_put(x, out_shardings)
-    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    # Each device encodes its own images: under plain jit the encode's loops over images (bf16
-    # chunks and row bands) would make the partitioner gather every image onto every device.
-    per_device = functools.partial(jax.shard_map, mesh=mesh, out_specs=PartitionSpec('data'),
-                                   in_specs=(PartitionSpec(), PartitionSpec('data')))
-  fns = {d: jax.jit(per_device(t.encode_features), out_shardings=out_shardings)
-         for d, t in tokenizers.items()}
+    x = jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+    params = jax.device_put(params, sharding.replicated(mesh))
+    # Traced under the mesh, as the tasks' steps are: the chunked (bf16) encode then runs each
+    # device's own images (`vqgan.Frozen`), the float32 one is split by the partitioner.
+    on_mesh = jax.set_mesh(mesh)
+  fns = {d: jax.jit(t.encode_features) for d, t in tokenizers.items()}
   faults = {}
-  times, outs = _times(fns, (params, x), rounds, faults)
-  codes = {d: np.asarray(jax.jit(per_device(t.encode_tokens))(params, x))
-           for d, t in tokenizers.items()}
+  with on_mesh:
+    times, outs = _times(fns, (params, x), rounds, faults)
+    codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
   ref = 'float32' if 'float32' in outs else None
   for name, ts in times.items():
     print(json.dumps({
@@ -178,7 +174,7 @@ def main():
                       help='comma-separated, in this order (float32 first for the differences)')
   parser.add_argument('--shard_images', action='store_true',
                       help='encode data-parallel over every host device, each its own images '
-                           '(jax.shard_map; set their number with '
+                           '(as on a training mesh; set their number with '
                            'XLA_FLAGS=--xla_force_host_platform_device_count=N)')
   args = parser.parse_args()
   if not args.skip_convs:
