@@ -17,7 +17,13 @@ Two parts, each alternating its forms over `--rounds` rounds (median and best se
   - `encode`: `encode_features` of `--images` random images through `vqgan.frozen(config,
     dtype)` for each of `--frozen_dtypes` (`config.tokenizer.frozen_dtype`), random parameters,
     with the features' relative difference (norm) from float32's and the codes' agreement,
-    and each call's minor page faults and system seconds (medians; `procap_jax/hostmem.py`).
+    each call's minor page faults and system seconds (medians; `procap_jax/hostmem.py`), and
+    the products the form runs: `product_gflop_per_image` (convolutions and matmuls summed
+    over its jaxpr, loops times their trip counts: the direct convolutions' count in float32,
+    fewer in bf16 where Winograd products replace them), their rate over the median call and
+    that rate as a fraction of a matmul of the form's precision timed in the same process
+    (`of_matmul_peak`, `common.matmul_peak_flops`); everything else the call does (norms,
+    transforms, conversions, copies) is in the time but not in the count.
     `bench/compare_original.py`'s `tokenizer` rows run this part against the original's
     encoder on the same 64 images.
 One JSON line per form (`peak_rss_gib`: the process's, over every form it ran so far). Random
@@ -102,6 +108,37 @@ def convs(rounds: int) -> None:
           'rel_diff': _rel(outs[name], outs['library_f32']), 'rounds': rounds}), flush=True)
 
 
+def _product_flops(jaxpr) -> float:
+  """FLOPs of the convolutions and matmuls of a (closed) jaxpr: 2 per multiply-add, the bodies
+  of `scan`s (what `lax.map` lowers to) times their length, a `shard_map`'s body times its
+  mesh's devices, other sub-jaxprs once (a `cond`'s largest branch); a `while` raises (no
+  static trip count)."""
+  total = 0.0
+  for eqn in jaxpr.jaxpr.eqns if hasattr(jaxpr, 'jaxpr') else jaxpr.eqns:
+    name, params = eqn.primitive.name, eqn.params
+    if name == 'dot_general':
+      (contract, _), _ = params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      k = int(np.prod([lhs[d] for d in contract]))
+      total += 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * k
+    elif name == 'conv_general_dilated':
+      rhs = eqn.invars[1].aval.shape
+      spec = params['dimension_numbers'].rhs_spec  # (out, in, spatial...)
+      per_output = float(np.prod([rhs[d] for d in spec[1:]]))
+      total += 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * per_output
+    elif name == 'while':
+      raise ValueError('a while loop without a static trip count: its products cannot be counted')
+    elif name == 'cond':
+      total += max(_product_flops(b) for b in params['branches'])
+    elif name == 'shard_map':  # the body's shapes are one device's: every device runs it
+      total += _product_flops(params['jaxpr']) * params['mesh'].size
+    else:
+      subs = [v for v in params.values() if hasattr(v, 'eqns') or hasattr(v, 'jaxpr')]
+      inner = sum(_product_flops(v) for v in subs)
+      total += inner * (params['length'] if name == 'scan' else 1)
+  return total
+
+
 def _trained(workdir: str, images: int) -> tuple:
   """(config, tokenizer params, the first `images` test keyframes in [0, 1]) of a run."""
   from procap_jax import caption
@@ -149,7 +186,14 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
     times, outs = _times(fns, (params, x), rounds, faults)
     codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
   ref = 'float32' if 'float32' in outs else None
+  flops = {d: _product_flops(jax.make_jaxpr(t.encode_features)(params, x))
+           for d, t in tokenizers.items()}
+  # The matmul runs on the first device; CPU host devices share the cores, and one device's
+  # matmul already uses all of them.
+  per = 1 if jax.default_backend() == 'cpu' else devices
+  peak = {d: common.matmul_peak_flops(d) * per for d in tokenizers}
   for name, ts in times.items():
+    rate = flops[name] / float(np.median(ts))
     print(json.dumps({
         'bench': 'tokenizer_speed', 'part': 'encode', 'config': workdir or config_spec,
         'frozen_dtype': name, 'images': images, 'side': side, 'devices': devices,
@@ -158,6 +202,8 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
         'codes_equal_fraction': float(np.mean(codes[name] == codes[ref])) if ref else None,
         'minor_faults_per_call': float(np.median([f for f, _ in faults[name]])),
         'system_s_per_call': float(np.median([s for _, s in faults[name]])),
+        'product_gflop_per_image': flops[name] / images / 1e9,
+        'product_gflop_per_s': rate / 1e9, 'of_matmul_peak': rate / peak[name],
         'rounds': rounds, 'peak_rss_gib': common.peak_rss_gib()}), flush=True)
 
 
