@@ -185,9 +185,9 @@ def encode(config_spec: str, images: int, rounds: int, dtypes: tuple[str, ...],
   with on_mesh:
     times, outs = _times(fns, (params, x), rounds, faults)
     codes = {d: np.asarray(jax.jit(t.encode_tokens)(params, x)) for d, t in tokenizers.items()}
+    flops = {d: _product_flops(jax.make_jaxpr(t.encode_features)(params, x))
+             for d, t in tokenizers.items()}  # traced as timed (under the mesh if any)
   ref = 'float32' if 'float32' in outs else None
-  flops = {d: _product_flops(jax.make_jaxpr(t.encode_features)(params, x))
-           for d, t in tokenizers.items()}
   # The matmul runs on the first device; CPU host devices share the cores, and one device's
   # matmul already uses all of them.
   per = 1 if jax.default_backend() == 'cpu' else devices
