@@ -201,3 +201,39 @@ def test_a_corrupt_cache_is_one_sentence(config, tokenizer_params, damage, fault
   assert 'corrupt' in message and 'delete that folder' in message and '\n' not in message
   assert directory in message
   fault('training (stage 1 / 2 start)', f'tokenizer feature cache file {damage}', message)
+
+
+class _RecordingTokenizer:
+  """A frozen-tokenizer stand-in that records which of its encodes were traced."""
+
+  def __init__(self, one_pass: bool):
+    self.one_pass, self.calls = one_pass, []
+
+  def encode_features(self, params, x):
+    self.calls.append('features')
+    return x.mean(axis=(1, 2)) * params  # [M, 3]
+
+  def encode_tokens(self, params, x):
+    self.calls.append('tokens')
+    return (x[:, 0, :4, 0] * 10).astype(np.int32)  # [M, 4]
+
+  def encode_features_and_tokens(self, params, x):
+    self.calls.append('both')
+    return x.mean(axis=(1, 2)) * params, (x[:, 0, :4, 0] * 10).astype(np.int32)
+
+
+@pytest.mark.parametrize('one_pass', [False, True])
+def test_features_and_codes_take_one_pass_where_the_scales_allow(one_pass):
+  """Stage 1 without the cache and the cache build ask a tokenizer whose features and codes see
+  one input scale for both from one encoder pass; the original's two scales take two."""
+  frames = np.random.default_rng(0).integers(0, 255, (2, 3, 8, 8, 3), dtype=np.uint8)
+  tokenizer = _RecordingTokenizer(one_pass)
+  features, codes = encodings.clip_encodings(tokenizer, 2.0, {'keyframes': frames})
+  assert tokenizer.calls == (['both'] if one_pass else ['features', 'tokens'])
+  assert features.shape == (2, 3, 3) and codes.shape == (2, 3, 4) and codes.dtype == np.int32
+  images = encodings.images01(frames.reshape(6, 8, 8, 3))
+  np.testing.assert_allclose(features.reshape(6, 3), images.mean(axis=(1, 2)) * 2.0, rtol=1e-6)
+  tokenizer.calls.clear()
+  features, codes = feature_cache._encode(2.0, frames[0], tokenizer)
+  assert tokenizer.calls == (['both'] if one_pass else ['features', 'tokens'])
+  assert features.shape == (3, 3) and codes.shape == (3, 4) and codes.dtype == np.int32

@@ -481,3 +481,72 @@ def test_chunked_encode_runs_on_each_devices_own_images():
     odd = jax.jit(frozen.encode_features)(params_mesh, x[:6])
   np.testing.assert_array_equal(np.asarray(odd),
                                 np.asarray(jax.jit(frozen.encode_features)(params, x[:6])))
+
+
+def _count_convolutions(jaxpr) -> int:
+  """conv_general_dilated and dot_general equations in a jaxpr and the jaxprs nested in its
+  equations' parameters (a loop's body once)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name in ('conv_general_dilated', 'dot_general')
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          count += _count_convolutions(inner)
+  return count
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_features_and_codes_from_one_encoder_pass(dtype):
+  """With one input scale for both, `encode_features_and_tokens` gives `encode_features` and
+  `encode_tokens` from one pass: half the encoder's products (XLA does not merge the bfloat16
+  encoder's two band-loop passes by itself), the same features, and the same codes up to the
+  bfloat16 rounding of the encoder's output, which XLA may skip in the codes-only program."""
+  x = _images(5, 16, seed=4)
+  params = _variables(vqgan.VQGAN(**WIDE), 16)['params']
+  one_scale = dict(WIDE, feature_input_scale='signed')
+  frozen = vqgan.Frozen(vqgan.frozen(one_scale, dtype).model, chunk=2)  # 3 chunks, one padded
+  assert frozen.one_pass and not vqgan.frozen(WIDE, dtype).one_pass
+  features, codes = jax.jit(frozen.encode_features_and_tokens)(params, x)
+  want_features = jax.jit(frozen.encode_features)(params, x)
+  want_codes = jax.jit(frozen.encode_tokens)(params, x)
+  assert features.dtype == jnp.float32 and codes.dtype == jnp.int32
+  assert features.shape == want_features.shape and codes.shape == want_codes.shape == (5, 64)
+  np.testing.assert_array_equal(np.asarray(features), np.asarray(want_features))
+  if dtype == 'float32':
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(want_codes))
+  else:
+    assert float(jnp.mean(codes == want_codes)) > 0.95
+  jaxpr = lambda f: jax.make_jaxpr(f)(params, x).jaxpr
+  one = _count_convolutions(jaxpr(frozen.encode_features_and_tokens))
+  two = (_count_convolutions(jaxpr(frozen.encode_features))
+         + _count_convolutions(jaxpr(frozen.encode_tokens)))
+  tokens_only = _count_convolutions(jaxpr(frozen.encode_tokens))
+  assert one == tokens_only and two > 1.9 * one, (one, two)
+  with pytest.raises(ValueError, match='one encoder pass only when'):
+    vqgan.frozen(WIDE, dtype).encode_features_and_tokens(params, x)
+
+
+def test_one_pass_encode_runs_on_each_devices_own_images():
+  """The one-pass encode's two outputs under a data mesh: each device encodes its own images."""
+  mesh = sharding.make_mesh(data=4, model=2)
+  x = _images(8, 16)
+  params = _variables(vqgan.VQGAN(**WIDE), 16)['params']
+  frozen = vqgan.Frozen(vqgan.VQGAN(**dict(WIDE, feature_input_scale='signed'),
+                                    dtype=jnp.bfloat16), chunk=2)
+  want = [jnp.concatenate(parts) for parts in zip(*[
+      jax.jit(frozen.encode_features_and_tokens)(params, x[i:i + 2]) for i in range(0, 8, 2)])]
+
+  def f(p, images):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return frozen.encode_features_and_tokens(p, images)
+
+  fn = jax.jit(f)
+  x_mesh = jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+  params_mesh = jax.device_put(params, sharding.replicated(mesh))
+  hlo = fn.lower(params_mesh, x_mesh).compile().as_text()
+  assert 'all-gather' not in hlo and 'all-to-all' not in hlo
+  for got, ref in zip(fn(params_mesh, x_mesh), want):
+    assert got.sharding.spec[0] == 'data'
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))

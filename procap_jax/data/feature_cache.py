@@ -189,9 +189,8 @@ def open_cache(directory: str, expected: dict | None = None) -> FeatureCache:
 @functools.partial(jax.jit, static_argnames=('tokenizer',))
 def _encode(params: Any, images: jax.Array, tokenizer: vqgan.Frozen):
   """uint8 [M, S, S, 3] -> (features [M, h, w, C], codes int32 [M, N]), as the stages encode."""
-  x = encodings.images01(images)
-  return (tokenizer.encode_features(params, x),
-          tokenizer.encode_tokens(params, x).astype(jnp.int32))
+  features, codes = encodings.encode_both(tokenizer, params, encodings.images01(images))
+  return features, codes.astype(jnp.int32)
 
 
 @contextlib.contextmanager

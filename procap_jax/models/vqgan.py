@@ -623,6 +623,17 @@ class VQGAN(nn.Module):
     z = self.quant_conv(self.encoder(scale_input(x01, self.token_input_scale), False))
     return nearest_code(z, self.quantize.embedding).reshape(x01.shape[0], -1)  # [B, h*w]
 
+  def encode_features_and_tokens(self, x01: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`encode_features` and `encode_tokens` from one encoder pass; only when both see the same
+    input scale (otherwise they are two different passes, the original's quirk)."""
+    if self.feature_input_scale != self.token_input_scale:
+      raise ValueError('features and codes come from one encoder pass only when '
+                       'feature_input_scale equals token_input_scale, not '
+                       f'{self.feature_input_scale!r} and {self.token_input_scale!r}')
+    h = self.encoder(scale_input(x01, self.token_input_scale), False)
+    codes = nearest_code(self.quant_conv(h), self.quantize.embedding)
+    return h.astype(jnp.float32), codes.reshape(x01.shape[0], -1)
+
   def decode_tokens(self, ids: jax.Array) -> jax.Array:
     """Images from code indices: [B, h*w] (square grid) -> [B, S, S, 3] clipped to [0, 1]."""
     b, n = ids.shape
@@ -658,14 +669,20 @@ class Frozen:
                            in_specs=(PartitionSpec(), spec), out_specs=spec)(params, images)
     return self._encode_here(params, images, method)
 
-  def _encode_here(self, params: Any, images: jax.Array, method: str) -> jax.Array:
+  def _encode_here(self, params: Any, images: jax.Array, method: str) -> Any:
     m, c = images.shape[0], self.chunk
     if not c or m <= c:
       return self.model.apply({'params': params}, images, method=method)
     padded = jnp.pad(images, ((0, -m % c),) + ((0, 0),) * (images.ndim - 1))
     out = lax.map(lambda x: self.model.apply({'params': params}, x, method=method),
                   padded.reshape((-1, c) + images.shape[1:]))
-    return out.reshape((-1,) + out.shape[2:])[:m]
+    return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:])[:m], out)
+
+  @property
+  def one_pass(self) -> bool:
+    """True when features and codes see the same input scale, so that
+    `encode_features_and_tokens` gets both from one encoder pass."""
+    return self.model.feature_input_scale == self.model.token_input_scale
 
   def encode_features(self, params: Any, images: jax.Array) -> jax.Array:
     """-> continuous pre-quantisation features [M, h, w, C]."""
@@ -674,6 +691,13 @@ class Frozen:
   def encode_tokens(self, params: Any, images: jax.Array) -> jax.Array:
     """-> code indices int32 [M, h*w]."""
     return self._encode(params, images, 'encode_tokens')
+
+  def encode_features_and_tokens(self, params: Any,
+                                 images: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """-> (features [M, h, w, C], codes int32 [M, h*w]) from one encoder pass (`one_pass`
+    only): XLA merges two equal passes of the float32 tokenizer by itself, but not the bfloat16
+    one's, whose band loops it keeps apart."""
+    return self._encode(params, images, 'encode_features_and_tokens')
 
   def decode_tokens(self, params: Any, ids: jax.Array) -> jax.Array:
     """[M, h*w] code ids -> images [M, S, S, 3] in [0, 1]."""

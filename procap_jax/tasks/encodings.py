@@ -22,11 +22,12 @@ def images01(images: Any) -> jax.Array:
   return jnp.asarray(images, jnp.float32) / 255.0
 
 
-def encode_clips(fn: Callable, params: Any, frames: jax.Array) -> jax.Array:
-  """Applies a per-image tokenizer function to clips [B, T, S, S, 3] -> [B, T, ...]."""
+def encode_clips(fn: Callable, params: Any, frames: jax.Array) -> Any:
+  """Applies a per-image tokenizer function to clips [B, T, S, S, 3] -> [B, T, ...] (each array
+  of its output, when it gives several)."""
   b, t = frames.shape[:2]
   out = fn(params, frames.reshape((b * t,) + frames.shape[2:]))  # [B*T, ...]
-  return jax.lax.stop_gradient(out.reshape((b, t) + out.shape[1:]))  # [B, T, ...]
+  return jax.tree.map(lambda o: jax.lax.stop_gradient(o.reshape((b, t) + o.shape[1:])), out)
 
 
 def clip_encodings(tokenizer: Any, params: Any, batch: dict,
@@ -34,7 +35,8 @@ def clip_encodings(tokenizer: Any, params: Any, batch: dict,
   """(features float32 [B, T, h, w, C], codes int32 [B, T, N]) of the batch's keyframes.
 
   Args:
-    tokenizer: the frozen tokenizer (`encode_features`, `encode_tokens`).
+    tokenizer: the frozen tokenizer (`encode_features`, `encode_tokens`; and
+      `encode_features_and_tokens` where its `one_pass` is true).
     params: its parameters.
     batch: the batch contract; the cache's keys when present, else `keyframes`.
     frames: `images01(batch['keyframes'])` when the caller has it already.
@@ -43,9 +45,19 @@ def clip_encodings(tokenizer: Any, params: Any, batch: dict,
     features = jnp.asarray(batch[CACHED], jnp.float32)
     return jax.lax.stop_gradient(features), jnp.asarray(batch['keyframe_codes'], jnp.int32)
   frames = images01(batch['keyframes']) if frames is None else frames  # [B, T, S, S, 3]
-  features = encode_clips(tokenizer.encode_features, params, frames)  # [B, T, h, w, C]
-  codes = encode_clips(tokenizer.encode_tokens, params, frames)  # [B, T, N]
+  features, codes = encode_both(tokenizer, params, frames, encode_clips)
   return features, codes.astype(jnp.int32)
+
+
+def encode_both(tokenizer: Any, params: Any, images: jax.Array,
+                apply: Callable = lambda fn, p, x: fn(p, x)) -> tuple[Any, Any]:
+  """(features, codes) of `images` through `apply(fn, params, images)`: one encoder pass when
+  the tokenizer's features and codes see the same input scale (`one_pass`), else two (the
+  original's quirk: features from [0, 1] images, codes from [-1, 1] ones)."""
+  if getattr(tokenizer, 'one_pass', False):
+    return apply(tokenizer.encode_features_and_tokens, params, images)
+  return (apply(tokenizer.encode_features, params, images),
+          apply(tokenizer.encode_tokens, params, images))
 
 
 def pair_features(tokenizer: Any, params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
