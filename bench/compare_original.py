@@ -36,7 +36,11 @@ the inference batch alone (its share of inference), ours.
     `--dtype bfloat16`, config.compute_dtype: the encoder's and decoder's matmuls take bfloat16
     operands accumulated in float32, and `tokenizer.frozen_dtype=bfloat16` since the commit
     adding it (the frozen tokenizer's convolutions in bfloat16, 3x3 ones in row bands); rows
-    `*:bf16`, `*:cached+bf16`, ratios `*_bf16`), `python -m bench.caption_speed` (batch 32)
+    `*:bf16`, `*:cached+bf16`, ratios `*_bf16`; and stage 1 in bf16 with the features' input
+    scale switched to the codes' (`tokenizer.model.feature_input_scale=signed`, off the
+    original's quirk), so that one encoder pass gives a frame's features and codes: row
+    `stage1:bf16+onescale`, ratio `stage1_bf16_onescale`, not the original's work), `python -m
+    bench.caption_speed` (batch 32)
     and `python -m bench.tokenizer_speed --skip_convs --images 64` (rows `tokenizer`,
     `tokenizer:bf16`: the frozen tokenizer's `encode_features`), run by `--ours_python` (the system
     Python with procap_jax; torch never enters that process), XLA on all cores, from
@@ -291,6 +295,8 @@ def _ours(opts, what: str, versions: dict) -> dict:
   if 'bf16' in variants and base != 'tokenizer':  # bfloat16 matmuls accumulated in float32
     sets.append('--dtype=bfloat16')  # (config.compute_dtype), and the frozen tokenizer's
     sets.append('--set=tokenizer.frozen_dtype=bfloat16')  # convolutions in bfloat16
+  if 'onescale' in variants:  # features from [-1, 1] images like the codes: one encoder pass
+    sets.append('--set=tokenizer.model.feature_input_scale=signed')
   if base == 'infer':
     cmd = ['-m', 'bench.caption_speed', '--config', size['config'], '--batch',
            str(BATCH['infer']), '--repeats', str(opts.steps), *sets]
@@ -340,6 +346,7 @@ def _cpu_model() -> str:
 PLAN = (  # (side, what, batch as the original counts it); what = row[:variant[+variant]]
     ('original', 'stage1', 8), ('ours', 'stage1', 8), ('ours', 'stage1:cached', 8),
     ('ours', 'stage1:bf16', 8), ('ours', 'stage1:cached+bf16', 8),
+    ('ours', 'stage1:bf16+onescale', 8),
     ('original', 'stage2:anomaly', 32), ('original', 'stage2', 32), ('ours', 'stage2', 32),
     ('ours', 'stage2:cached', 32), ('ours', 'stage2:bf16', 32),
     ('ours', 'stage2:cached+bf16', 32),
@@ -399,6 +406,7 @@ def _ratios(results: list[dict], after_first: bool = False) -> dict:
                            ('infer', 'infer', 'infer'),
                            ('stage1_bf16', 'stage1', 'stage1:bf16'),
                            ('stage1_cached_bf16', 'stage1', 'stage1:cached+bf16'),
+                           ('stage1_bf16_onescale', 'stage1', 'stage1:bf16+onescale'),
                            ('stage2_bf16', 'stage2', 'stage2:bf16'),
                            ('stage2_cached_bf16', 'stage2', 'stage2:cached+bf16'),
                            ('infer_bf16', 'infer', 'infer:bf16'),
