@@ -12,6 +12,8 @@ from procap_jax.models import layers
 from procap_jax.models import procedure_encoder as pe
 from procap_jax.tasks import pretrain
 
+import jaxpr_counts  # tests/ is on the path (pytest's default import mode)
+
 # Prime-ish dims; a non-square grid checks the (t, h, w) flat order.
 KW = dict(width=30, depth=1, heads=3, mlp_ratio=2, text_len=5, text_vocab_size=11, num_frames=3,
           grid=(2, 3), feature_dim=7, codebook_size=13)
@@ -298,19 +300,6 @@ def test_memory_variants_keep_parameters_values_and_gradients(variant):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-def _count_products(jaxpr) -> int:
-  """dot_general equations in a jaxpr and every jaxpr nested in its equations' parameters."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == 'dot_general'
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else [value]:
-        inner = getattr(sub, 'jaxpr', sub)
-        if hasattr(inner, 'eqns'):
-          count += _count_products(inner)
-  return count
-
-
 def test_scan_keep_dense_recomputes_no_product():
   """With the block scan's checkpoint keeping the dense outputs, the gradient's program holds
   three products fewer (in_proj, out_proj and c_fc are no longer recomputed in the backward
@@ -322,7 +311,8 @@ def test_scan_keep_dense_recomputes_no_product():
     params = model.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
     grad = jax.grad(lambda p, m=model: jnp.sum(
         m.apply({'params': p}, text, feats, mask, use_rel=True)['frame_logits'] ** 2))
-    counts[keep] = _count_products(jax.make_jaxpr(grad)(params).jaxpr)
+    counts[keep] = jaxpr_counts.count_equations(jax.make_jaxpr(grad)(params).jaxpr,
+                                                 ('dot_general',))
   assert counts[False] - counts[True] == 3, counts
 
 

@@ -12,6 +12,8 @@ from configs import synthetic
 from procap_jax import sharding
 from procap_jax.models import vqgan
 
+import jaxpr_counts  # tests/ is on the path (pytest's default import mode)
+
 TINY = dict(ch=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), resolution=16,
             z_channels=8, embed_dim=4, n_embed=7, dropout=0.0, beta=0.25,
             feature_input_scale='unit', token_input_scale='signed')
@@ -483,20 +485,6 @@ def test_chunked_encode_runs_on_each_devices_own_images():
                                 np.asarray(jax.jit(frozen.encode_features)(params, x[:6])))
 
 
-def _count_convolutions(jaxpr) -> int:
-  """conv_general_dilated and dot_general equations in a jaxpr and the jaxprs nested in its
-  equations' parameters (a loop's body once)."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name in ('conv_general_dilated', 'dot_general')
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else [value]:
-        inner = getattr(sub, 'jaxpr', sub)
-        if hasattr(inner, 'eqns'):
-          count += _count_convolutions(inner)
-  return count
-
-
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_features_and_codes_from_one_encoder_pass(dtype):
   """With one input scale for both, `encode_features_and_tokens` gives `encode_features` and
@@ -518,11 +506,14 @@ def test_features_and_codes_from_one_encoder_pass(dtype):
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(want_codes))
   else:
     assert float(jnp.mean(codes == want_codes)) > 0.95
-  jaxpr = lambda f: jax.make_jaxpr(f)(params, x).jaxpr
-  one = _count_convolutions(jaxpr(frozen.encode_features_and_tokens))
-  two = (_count_convolutions(jaxpr(frozen.encode_features))
-         + _count_convolutions(jaxpr(frozen.encode_tokens)))
-  tokens_only = _count_convolutions(jaxpr(frozen.encode_tokens))
+
+  def products(f):
+    return jaxpr_counts.count_equations(jax.make_jaxpr(f)(params, x).jaxpr,
+                                        ('conv_general_dilated', 'dot_general'))
+
+  one = products(frozen.encode_features_and_tokens)
+  two = products(frozen.encode_features) + products(frozen.encode_tokens)
+  tokens_only = products(frozen.encode_tokens)
   assert one == tokens_only and two > 1.9 * one, (one, two)
   with pytest.raises(ValueError, match='one encoder pass only when'):
     vqgan.frozen(WIDE, dtype).encode_features_and_tokens(params, x)
