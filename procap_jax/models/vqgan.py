@@ -620,8 +620,12 @@ class VQGAN(nn.Module):
 
   def encode_tokens(self, x01: jax.Array) -> jax.Array:
     """Code indices: [B, S, S, 3] in [0, 1] -> [B, h*w] int32 (row-major over h, w)."""
-    z = self.quant_conv(self.encoder(scale_input(x01, self.token_input_scale), False))
-    return nearest_code(z, self.quantize.embedding).reshape(x01.shape[0], -1)  # [B, h*w]
+    return self._codes(self.encoder(scale_input(x01, self.token_input_scale), False))
+
+  def _codes(self, h: jax.Array) -> jax.Array:
+    """Encoder output [B, h, w, Z] -> its nearest codes' indices [B, h*w] int32."""
+    z = self.quant_conv(h)
+    return nearest_code(z, self.quantize.embedding).reshape(h.shape[0], -1)  # [B, h*w]
 
   def encode_features_and_tokens(self, x01: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`encode_features` and `encode_tokens` from one encoder pass; only when both see the same
@@ -631,8 +635,7 @@ class VQGAN(nn.Module):
                        'feature_input_scale equals token_input_scale, not '
                        f'{self.feature_input_scale!r} and {self.token_input_scale!r}')
     h = self.encoder(scale_input(x01, self.token_input_scale), False)
-    codes = nearest_code(self.quant_conv(h), self.quantize.embedding)
-    return h.astype(jnp.float32), codes.reshape(x01.shape[0], -1)
+    return h.astype(jnp.float32), self._codes(h)
 
   def decode_tokens(self, ids: jax.Array) -> jax.Array:
     """Images from code indices: [B, h*w] (square grid) -> [B, S, S, 3] clipped to [0, 1]."""
