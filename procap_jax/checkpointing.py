@@ -34,8 +34,8 @@ def _single_process_saves_whole_shards() -> None:
   By default orbax splits each replicated array among its replicas (devices) so that several
   hosts can write it together; in one process that only adds a device-side slice per array and
   replica (a small jitted program each, compiled per shape): checkpoint saving took 20 s of the
-  `tiny` preset's 95 s run on 8 CPU devices, 5 s without it (docs/performance.md, "Checkpoint
-  saving in one process"). The files written are the same. Jobs of several processes keep
+  `tiny` preset's 95 s run on 8 CPU devices, 5 s without it (docs/performance.md,
+  "Checkpoints"). The files written are the same. Jobs of several processes keep
   orbax's default."""
   if jax.process_count() > 1:
     return
@@ -137,8 +137,8 @@ def _variables_target(state_dir: str) -> dict:
 
   The key paths come from orbax's tree metadata file (`_METADATA`, JSON) when it has the form
   known here (nested dicts, as flax variables are), instead of orbax's metadata call, which opens
-  every saved array and took most of a small checkpoint's load (docs/performance.md, "Loading a
-  finished stage's variables"). Any other form goes through that call."""
+  every saved array and took most of a small checkpoint's load (docs/performance.md,
+  "Checkpoints"). Any other form goes through that call."""
   leaf = ocp.RestoreArgs(restore_type=np.ndarray)
   target = {}
   try:

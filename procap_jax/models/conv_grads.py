@@ -16,7 +16,8 @@ products instead of the library's transposed convolutions:
 On XLA:CPU, inside a `lax.map` (where the paper tokenizer's train step runs its frames,
 `frames_chunk`), the library's gradients of every tokenizer convolution shape run 9-60 times
 slower than these products; outside a loop the products are about twice as fast at 224 px and
-up to 5 times slower on small images (docs/performance.md, "Paper size"). So `wanted` takes the
+up to 5 times slower on small images (docs/performance.md, "The tokenizer's
+convolution gradients as products"). So `wanted` takes the
 products inside an `in_loop()` context and for outputs of at least `MIN_PIXELS` pixels. The
 values equal the library's up to the summation order (tests/conv_grads_test.py).
 """
