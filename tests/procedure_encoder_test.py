@@ -492,7 +492,8 @@ def test_frame_difference_lets_the_encoder_learn_a_same_position_change():
   change vs no change from its [REL] head in 300 steps of batch 16 (held-out accuracy 0.74 after
   200 steps and 1.0 after 300, measured). Without the switch it is at 0.47 after 300 steps in the
   same setting (measured), as the default-size encoder stays at chance on 4-frame toy clips
-  through 8,000 clips (README); a broken difference path would leave it there too."""
+  through 8,000 clips (docs/fidelity.md, "frame tokens"); a broken difference path would leave
+  it there too."""
   from procap_jax.diagnostics import probe_consistency  # pylint: disable=import-outside-toplevel
   t, g, c, steps = 2, 4, 16, 300
   model = pe.ProcedureEncoder(width=32, depth=2, heads=4, mlp_ratio=2, text_len=3,
