@@ -303,7 +303,9 @@ def _read_json(path: str, what: str):
   except FileNotFoundError:
     raise errors.UserError(f'{what} file {path} does not exist; check the path') from None
   except json.JSONDecodeError as e:
-    raise errors.UserError(f'{what} file {path} is not valid JSON ({e.msg} at line {e.lineno}); '
+    message = e.msg.removesuffix(' at')  # 'Unterminated string starting at' + ' at line 1'
+    raise errors.UserError(f'{what} file {path} is not valid JSON ({message} at line {e.lineno} '
+                           f'column {e.colno}); '
                            'check that it was written completely') from None
   except (OSError, UnicodeDecodeError) as e:
     raise errors.UserError(f'cannot read {what} file {path} ({e}); check the file') from None
