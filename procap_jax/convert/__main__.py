@@ -168,13 +168,15 @@ def convert(config, workdir: str, kind: str, source: str, stage1: str = '',
   from procap_jax import config_lib
   from procap_jax.convert import common
   from procap_jax.convert import init
+  from procap_jax.convert import torch_files
   from procap_jax.data import pipeline
   if kind not in KINDS:
     raise errors.UserError(f'unknown conversion {kind!r}; choose one of {", ".join(KINDS)}')
   config_lib.validate(config)
   if kind == 'clip':
-    state = init.read(source, 'the CLIP file', config)
+    state = init.read(source, 'the CLIP file', config, warn=False)
     check_kind('clip', 'pretrain', source, state)
+    torch_files.warn_foreign(source, state.foreign)
     config.pretrain.init_from = source
     init.converted('pretrain', config, source, state)  # raises on any mismatch
     print(f'{source} converts into the stage-1 encoder\'s {config.pretrain.model.depth} blocks; '
@@ -196,8 +198,9 @@ def convert(config, workdir: str, kind: str, source: str, stage1: str = '',
       raise common.ConversionError(f'{path} does not exist; give the path of the downloaded file')
   states = []
   for stage, path in plan:  # every conversion checked before anything is written
-    state = init.read(path, 'the weight file', config)
+    state = init.read(path, 'the weight file', config, warn=False)
     check_kind(kind, stage, path, state)
+    torch_files.warn_foreign(path, state.foreign)
     config[stage].init_from = path
     states.append((stage, converted_from_file(config, stage, path, state, allow_init), path))
     del state

@@ -37,15 +37,16 @@ KIND_NAMES = {'clip': 'an OpenAI CLIP file', 'taming': 'a taming VQGAN checkpoin
               'procap_stage2': 'a ProCap stage-2 checkpoint'}
 
 
-def read(path: str, what: str, config: ml_collections.ConfigDict | None = None) -> dict:
+def read(path: str, what: str, config: ml_collections.ConfigDict | None = None,
+         warn: bool = True) -> dict:
   """The flat state dict of `path`, with one sentence when the file is missing; `config`'s
-  `weight_files` (strict, max_expansion) go to the reader."""
+  `weight_files` (strict, max_expansion) and `warn` go to the reader."""
   if not os.path.isfile(path):
     raise common.ConversionError(f'{what} {path} does not exist; download it by hand (README, '
                                  '"Start from the original\'s weights") and give its path')
   options = {} if config is None else dict(strict=bool(config.weight_files.strict),
                                            max_expansion=float(config.weight_files.max_expansion))
-  return torch_files.state_dict(path, **options)
+  return torch_files.state_dict(path, warn=warn, **options)
 
 
 def identify(state: dict) -> str | None:

@@ -382,18 +382,29 @@ def _read_safetensors(path: str, max_expansion: float | None = None) -> dict[str
   return out
 
 
-def _warn_or_refuse(path: str, foreign: list[str], strict: bool) -> None:
-  """One warning line naming the globals outside the allow-list; with `strict`, an error."""
-  if not foreign:
-    return
-  names = ', '.join(foreign[:6]) + (f' and {len(foreign) - 6} more' if len(foreign) > 6 else '')
-  if strict:
-    raise FormatError(f'{path} references code outside the weight-file allow-list ({names}); '
-                      'strict mode refuses it (none of it was run); re-save only the tensors, '
-                      'or read it without --strict')
-  print(f'warning: {path} references code outside the weight-file allow-list ({names}); none of '
-        'it was run (kept as inert records) and only the tensors are used; --strict refuses such '
-        'files', file=sys.stderr, flush=True)
+def _names(foreign: list[str]) -> str:
+  return ', '.join(foreign[:6]) + (f' and {len(foreign) - 6} more' if len(foreign) > 6 else '')
+
+
+def _refuse_if_strict(path: str, foreign: list[str], strict: bool) -> None:
+  if foreign and strict:
+    raise FormatError(f'{path} references code outside the weight-file allow-list '
+                      f'({_names(foreign)}); strict mode refuses it (none of it was run); re-save '
+                      'only the tensors, or read it without --strict')
+
+
+def warn_foreign(path: str, foreign: list[str]) -> None:
+  """One warning line on stderr naming the globals outside the allow-list (none: nothing)."""
+  if foreign:
+    print(f'warning: {path} references code outside the weight-file allow-list '
+          f'({_names(foreign)}); none of it was run (kept as inert records) and only the tensors '
+          'are used; --strict refuses such files', file=sys.stderr, flush=True)
+
+
+class StateDict(dict):
+  """A flat `{name: array}` dict that also carries `foreign`: the globals outside the
+  allow-list its file's pickle named (none of them run)."""
+  foreign: list[str] = []
 
 
 def load(path: str, *, strict: bool = False, max_expansion: float | None = None) -> Any:
@@ -404,7 +415,8 @@ def load(path: str, *, strict: bool = False, max_expansion: float | None = None)
   if _kind(path) == 'safetensors':
     return _read_safetensors(path, max_expansion)
   obj, _, foreign = _read_zip(path, max_expansion)
-  _warn_or_refuse(path, foreign, strict)
+  _refuse_if_strict(path, foreign, strict)
+  warn_foreign(path, foreign)
   return obj
 
 
@@ -441,7 +453,7 @@ def _is_state(tree: Any) -> bool:
 
 
 def state_dict(path: str, key: str | None = None, *, strict: bool = False,
-               max_expansion: float | None = None) -> dict[str, np.ndarray]:
+               max_expansion: float | None = None, warn: bool = True) -> StateDict:
   """The flat `{dotted name: array}` weights of a file.
 
   Args:
@@ -453,15 +465,18 @@ def state_dict(path: str, key: str | None = None, *, strict: bool = False,
       are read as inert records and one warning line on stderr names them).
     max_expansion: the file may expand to this many times its size on disk (at least
       MIN_EXPANSION_LIMIT bytes); None = DEFAULT_MAX_EXPANSION.
+    warn: print the warning line about foreign globals here (False: the caller does, e.g. once
+      it has checked the file is the kind it wants, with `warn_foreign(path, result.foreign)`).
 
   Raises:
     FormatError: the file is not accepted, or holds no tensors where expected.
   """
+  foreign = []
   if _kind(path) == 'safetensors':
     flat = _read_safetensors(path, max_expansion)
   else:
     obj, torchscript, foreign = _read_zip(path, max_expansion)
-    _warn_or_refuse(path, foreign, strict)
+    _refuse_if_strict(path, foreign, strict)
     if torchscript:
       flat = {}
       _module_tensors(obj, '', flat, set())
@@ -478,4 +493,8 @@ def state_dict(path: str, key: str | None = None, *, strict: bool = False,
                       + '; it is not a weight file')
   if all(k.startswith('module.') for k in flat):
     flat = {k[len('module.'):]: v for k, v in flat.items()}
-  return flat
+  out = StateDict(flat)
+  out.foreign = foreign
+  if warn:
+    warn_foreign(path, foreign)
+  return out
