@@ -219,9 +219,9 @@ class _Unpickler(pickle.Unpickler):
     if not isinstance(storage, np.ndarray):
       raise FormatError(f'a tensor in {self._path} points at no storage; the file is damaged')
     key = self._storage_keys.get(id(storage), '?')
-    if not (_is_int(offset) and isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list))
-            and all(map(_is_int, size)) and all(map(_is_int, stride)) and len(size) == len(stride)
-            and offset >= 0 and min(size, default=0) >= 0 and min(stride, default=0) >= 0):
+    sequences = isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list))
+    if not (_is_int(offset) and sequences and all(map(_is_int, size))
+            and all(map(_is_int, stride)) and len(size) == len(stride) and offset >= 0 and min(size, default=0) >= 0 and min(stride, default=0) >= 0):
       raise FormatError(f'{self._path}: a tensor of storage {key} has a malformed shape '
                         f'{size!r:.60}, strides {stride!r:.60} or offset {offset!r:.20}; the file '
                         'is damaged')
@@ -324,11 +324,10 @@ def _read_zip(path: str, max_expansion: float | None = None) -> tuple[Any, bool,
                           'or damaged') from None
       return info.file_size if size_only else archive.read(info)
 
-    limit = expansion_limit(os.path.getsize(path), max_expansion)
-    if archive.getinfo(pkl[0]).file_size > limit:
-      raise FormatError(f'{path}: its data.pkl claims '
-                        f'{size_text(archive.getinfo(pkl[0]).file_size)}, over the limit of {expansion_text(os.path.getsize(path), max_expansion)}'
-                        '; it is damaged or hostile')
+    pkl_size, disk = archive.getinfo(pkl[0]).file_size, os.path.getsize(path)
+    if pkl_size > expansion_limit(disk, max_expansion):
+      raise FormatError(f'{path}: its data.pkl claims {size_text(pkl_size)}, over the limit of '
+                        f'{expansion_text(disk, max_expansion)}; it is damaged or hostile')
     try:
       unpickler = _Unpickler(archive.read(pkl[0]), read_record, byteorder, path, max_expansion)
       obj = unpickler.load()
