@@ -221,7 +221,8 @@ class _Unpickler(pickle.Unpickler):
     key = self._storage_keys.get(id(storage), '?')
     sequences = isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list))
     if not (_is_int(offset) and sequences and all(map(_is_int, size))
-            and all(map(_is_int, stride)) and len(size) == len(stride) and offset >= 0 and min(size, default=0) >= 0 and min(stride, default=0) >= 0):
+            and all(map(_is_int, stride)) and len(size) == len(stride) and offset >= 0
+            and min(size, default=0) >= 0 and min(stride, default=0) >= 0):
       raise FormatError(f'{self._path}: a tensor of storage {key} has a malformed shape '
                         f'{size!r:.60}, strides {stride!r:.60} or offset {offset!r:.20}; the file '
                         'is damaged')
