@@ -182,9 +182,9 @@ class _Unpickler(pickle.Unpickler):
     self._spent += nbytes
     if self._spent > self._budget:
       raise FormatError(
-          f'{self._path} would expand to more than it can hold ({what} alone claims '
-          f'{size_text(nbytes)}), over the limit of {self._limit_text}; it is damaged or hostile '
-          '(raise max_expansion only for a file you trust)')
+          f'{self._path} would expand past the reader\'s limit of {self._limit_text}: {what} '
+          f'alone claims {size_text(nbytes)}; it is damaged or hostile (raise max_expansion only '
+          'for a file you trust)')
 
   def persistent_load(self, pid: Any) -> Any:
     if not (isinstance(pid, tuple) and pid and pid[0] == 'storage' and len(pid) >= 3):

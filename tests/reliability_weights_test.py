@@ -27,6 +27,15 @@ PARITY = pathlib.Path(__file__).parent / 'parity' / 'fixtures'
 VQGAN = PARITY / 'vqgan.ckpt'
 
 
+READER = 'weight file reader (init_from, convert)'
+COMMAND = 'convert command'
+
+
+def _shown(text: str) -> str:
+  """A sentence as docs/reliability.md shows it: the fixtures' folder relative to the repo."""
+  return text.replace(str(PARITY), 'tests/parity/fixtures')
+
+
 def _refusal(path, **kwargs) -> str:
   """The reader's one sentence for `path`."""
   with pytest.raises(torch_files.FormatError) as e:
@@ -41,7 +50,7 @@ def _stride0_bomb(path) -> None:
   hf.save(path, {'w': hf.tensor('0', 1, (100000, 100000), (0, 0))}, {'0': b'\0\0\0\0'})
 
 
-def test_stride0_bomb_is_refused_before_anything_is_allocated(tmp_path):
+def test_stride0_bomb_is_refused_before_anything_is_allocated(tmp_path, fault):
   path = tmp_path / 'bomb.pt'
   _stride0_bomb(path)
   assert os.path.getsize(path) < 600
@@ -53,9 +62,12 @@ def test_stride0_bomb_is_refused_before_anything_is_allocated(tmp_path):
     tracemalloc.stop()
   assert 'claims 37.3 GiB' in message and 'max_expansion 4' in message
   assert peak < 1 << 20, peak  # the claim is 40 GB; reading the archive itself takes ~64 KB
+  fault(READER, f'a {os.path.getsize(path)}-byte zip whose float32 tensor has stride 0 and shape '
+        '100000 x 100000', f'error: {message} (Python heap peak while refusing it: '
+        f'{peak / 1024:.0f} KiB)')
 
 
-def test_genuine_expansion_stays_under_the_limit_and_the_limit_is_overridable(tmp_path):
+def test_genuine_expansion_stays_under_the_limit_and_the_limit_is_overridable(tmp_path, fault):
   """An honest file expands to about 2 x its size (storage + tensor); a stride-0 tensor
   claiming 8 MiB from 4 bytes passes under the 16 MiB floor and is refused below it."""
   value = np.arange(5_000_000, dtype=np.float32)  # 20 MB: above the floor, so the factor counts
@@ -66,6 +78,11 @@ def test_genuine_expansion_stays_under_the_limit_and_the_limit_is_overridable(tm
           {'0': np.float32(3).tobytes()})
   expanded = torch_files.state_dict(str(tmp_path / 'expand.pt'))['w']
   assert expanded.shape == (2 << 20,) and (expanded == 3).all()
+  fault(READER, 'a genuine 20 MB float32 tensor; the same file read with max_expansion=1.5',
+        'read, equal to what was saved; with max_expansion=1.5: error: '
+        + _refusal(tmp_path / 'big.pt', max_expansion=1.5))
+  fault(READER, 'a stride-0 tensor expanding 4 bytes to 8 MiB (under the 16 MiB floor)',
+        'read: 2097152 equal values')
 
 
 @pytest.mark.parametrize('case,tree,records,message', [
@@ -92,20 +109,25 @@ def test_genuine_expansion_stays_under_the_limit_and_the_limit_is_overridable(tm
                                      '0', 'cpu', 1)), 0, (1,), (1,)))},
      {'0': b'\0' * 4}, 'storage 0 has a type this reader does not know'),
 ])
-def test_tensors_that_claim_more_than_their_storage_holds(tmp_path, case, tree, records, message):
-  del case
+def test_tensors_that_claim_more_than_their_storage_holds(tmp_path, fault, case, tree, records,
+                                                          message):
   hf.save(tmp_path / 'bad.pt', tree, records)
-  assert message in _refusal(tmp_path / 'bad.pt')
+  got = _refusal(tmp_path / 'bad.pt')
+  assert message in got
+  fault(READER, case, f'error: {got}')
 
 
-def test_compressed_storage_record_bomb(tmp_path):
+def test_compressed_storage_record_bomb(tmp_path, fault):
   """A deflated record of 64 MiB of zeros in a ~70 KB file: its declared size is checked against
   the limit before it is decompressed."""
   with zipfile.ZipFile(tmp_path / 'zip_bomb.pt', 'w', zipfile.ZIP_DEFLATED) as z:
     z.writestr('archive/data.pkl', hf.dumps({'w': hf.tensor('0', 16 << 20, (16 << 20,), (1,))}))
     z.writestr('archive/data/0', b'\0' * (64 << 20))
   assert os.path.getsize(tmp_path / 'zip_bomb.pt') < 200_000
-  assert 'storage 0 alone claims 64 MiB' in _refusal(tmp_path / 'zip_bomb.pt')
+  message = _refusal(tmp_path / 'zip_bomb.pt')
+  assert 'storage 0 alone claims 64 MiB' in message
+  fault(READER, f'a {os.path.getsize(tmp_path / "zip_bomb.pt") // 1024} KiB zip whose deflated '
+        'storage record expands to 64 MiB', f'error: {message}')
 
 
 def _marker_payloads(marker) -> dict[str, bytes]:
@@ -127,51 +149,68 @@ def _marker_payloads(marker) -> dict[str, bytes]:
 
 @pytest.mark.parametrize('name', ['GLOBAL posix.system', 'GLOBAL os.system',
                                   'STACK_GLOBAL os.system', 'INST os.system', 'builtins.exec'])
-def test_malicious_pickles_in_an_archive_run_nothing(tmp_path, name):
+def test_malicious_pickles_in_an_archive_run_nothing(tmp_path, fault, name):
   marker = tmp_path / 'ran'
   with zipfile.ZipFile(tmp_path / 'evil.pt', 'w') as z:
     z.writestr('archive/data.pkl', _marker_payloads(marker)[name])
-  assert 'holds no tensors' in _refusal(tmp_path / 'evil.pt')
-  assert 'strict mode refuses it' in _refusal(tmp_path / 'evil.pt', strict=True)
+  message = _refusal(tmp_path / 'evil.pt')
+  assert 'holds no tensors' in message
+  strict = _refusal(tmp_path / 'evil.pt', strict=True)
+  assert 'strict mode refuses it' in strict
   assert not marker.exists()
+  fault(READER, f'a torch zip whose pickle calls {name} (touch a marker file)',
+        f'nothing ran (no marker); error: {message}; with strict: error: {strict}')
 
 
-def test_malicious_files_outside_an_archive_are_refused_unread(tmp_path):
+def test_malicious_files_outside_an_archive_are_refused_unread(tmp_path, fault):
   marker = tmp_path / 'ran'
   cases = {
-      'plain.pkl': (pickle.dumps({'w': [1.0]}, protocol=2), 'plain Python pickle'),
-      'legacy.pt': ((PARITY / 'reader_legacy.pt').read_bytes(), 'legacy (pre-1.6, non-zip)'),
+      'plain.pkl': (pickle.dumps({'w': [1.0]}, protocol=2), 'plain Python pickle',
+                    'a plain pickle (not a torch zip)'),
+      'legacy.pt': ((PARITY / 'reader_legacy.pt').read_bytes(), 'legacy (pre-1.6, non-zip)',
+                    'a legacy (pre-1.6) torch file'),
       'protocol0.pt': (_marker_payloads(marker)['GLOBAL posix.system'],
-                       'not a weight file this reader knows'),
-      'empty.pt': (b'', 'is empty'),
-      'text.pt': (b'these are not weights\n' * 4, 'not a weight file this reader knows'),
+                       'not a weight file this reader knows',
+                       'a protocol-0 pickle calling posix.system, not in a zip'),
+      'empty.pt': (b'', 'is empty', 'an empty file'),
+      'text.pt': (b'these are not weights\n' * 4, 'not a weight file this reader knows',
+                  'a text file'),
   }
-  for name, (content, message) in cases.items():
+  for name, (content, message, what) in cases.items():
     (tmp_path / name).write_bytes(content)
-    assert message in _refusal(tmp_path / name), name
+    got = _refusal(tmp_path / name)
+    assert message in got, name
+    fault(READER, what, f'error: {got}')
   assert 'does not exist' in _refusal(tmp_path / 'absent.pt')
   assert not marker.exists()
 
 
 @pytest.mark.parametrize('cut', [100, 0.5, -30])
-def test_truncated_archives_are_called_truncated(tmp_path, cut):
+def test_truncated_archives_are_called_truncated(tmp_path, fault, cut):
   raw = VQGAN.read_bytes()
   end = int(len(raw) * cut) if isinstance(cut, float) else cut
   (tmp_path / 'cut.ckpt').write_bytes(raw[:end])
   message = _refusal(tmp_path / 'cut.ckpt')
   assert 'truncated' in message and 'not a weight file' not in message
+  fault(READER, f'the fixture VQGAN checkpoint cut to its first {end} of {len(raw)} bytes',
+        f'error: {message}')
 
 
-def test_truncated_and_hostile_safetensors(tmp_path):
+def test_truncated_and_hostile_safetensors(tmp_path, fault):
   import struct
   (tmp_path / 'short.safetensors').write_bytes(struct.pack('<Q', 10_000) + b'{"a": ')
-  assert 'header claims 10000 bytes' in _refusal(tmp_path / 'short.safetensors')
+  message = _refusal(tmp_path / 'short.safetensors')
+  assert 'header claims 10000 bytes' in message
+  fault(READER, 'a safetensors file cut inside its header', f'error: {message}')
   header = b'{"w": {"dtype": "F32", "shape": [100000, 100000], "data_offsets": [0, 4]}}'
   (tmp_path / 'big.safetensors').write_bytes(struct.pack('<Q', len(header)) + header + b'\0' * 4)
-  assert 'claims 40000000000 bytes, holds 4' in _refusal(tmp_path / 'big.safetensors')
+  message = _refusal(tmp_path / 'big.safetensors')
+  assert 'claims 40000000000 bytes, holds 4' in message
+  fault(READER, 'a safetensors tensor of 100000 x 100000 float32 over 4 bytes', f'error: {message}')
 
 
-def test_foreign_globals_beside_real_tensors_warn_once_and_strict_refuses(tmp_path, capsys):
+def test_foreign_globals_beside_real_tensors_warn_once_and_strict_refuses(tmp_path, capsys,
+                                                                         fault):
   """A real VQGAN state dict with a posix.system call beside it: its tensors are read, one
   warning line names the call, nothing runs; strict refuses the file."""
   marker = tmp_path / 'ran'
@@ -186,15 +225,18 @@ def test_foreign_globals_beside_real_tensors_warn_once_and_strict_refuses(tmp_pa
   assert sorted(state) == sorted(honest) and state.foreign == ['posix.system']
   for key, value in honest.items():
     np.testing.assert_array_equal(state[key], value)
-  assert '(posix.system); strict mode refuses it' in _refusal(tmp_path / 'poisoned.ckpt',
-                                                             strict=True)
+  strict = _refusal(tmp_path / 'poisoned.ckpt', strict=True)
+  assert '(posix.system); strict mode refuses it' in strict
   assert not marker.exists()
+  fault(READER, 'the fixture VQGAN state dict with a posix.system call beside it',
+        f'tensors read, equal to the clean file\'s; nothing ran; one line: {err[0]}; with strict: '
+        f'error: {strict}')
   capsys.readouterr()
   torch_files.state_dict(str(VQGAN))  # only torch's own rebuild functions: no warning
   assert capsys.readouterr().err == ''
 
 
-def test_missing_key_hints_name_only_the_same_module():
+def test_missing_key_hints_name_only_the_same_module(fault):
   state = {'encoder.conv_in.weight': 0, 'decoder.conv_out.weight': 0, 'mlp.0.bias': 0}
   with pytest.raises(common.ConversionError) as e:
     common.take(state, 'text_decoder.decoder.out.weight')
@@ -203,6 +245,10 @@ def test_missing_key_hints_name_only_the_same_module():
     common.take(state, 'mlp.0.weight')
   with pytest.raises(common.ConversionError, match="it has 'model.mlp.0.bias': another prefix"):
     common.take({'model.mlp.0.bias': 0}, 'mlp.0.bias')
+  with pytest.raises(common.ConversionError) as e:
+    common.take(state, 'mlp.0.weight')
+  fault('converters (a missing parameter)', 'a file lacking mlp.0.weight, with mlp.0.bias and '
+        'unrelated *.weight keys', f'error: {e.value}')
 
 
 # --- the converters: wrong-kind files, half conversions, nothing written -----------------------
@@ -232,7 +278,7 @@ def _config():
     ('procap', 'stage2_small_model.pt', 'vqgan.ckpt',
      'is a taming VQGAN checkpoint, not a ProCap stage-1 checkpoint as convert procap --stage1'),
 ])
-def test_wrong_kind_files_are_one_sentence_and_write_nothing(tmp_path, capsys, kind, path,
+def test_wrong_kind_files_are_one_sentence_and_write_nothing(tmp_path, capsys, fault, kind, path,
                                                              stage1, message):
   config = _config()
   config.data.word2idx_file = f'{PARITY}/stage2_small_word2idx.json'
@@ -243,9 +289,11 @@ def test_wrong_kind_files_are_one_sentence_and_write_nothing(tmp_path, capsys, k
       str(PARITY / stage1) if stage1 else '')
   assert message in err
   assert not workdir.exists() and not (tmp_path / 'data').exists()
+  fault(COMMAND, f'convert {kind} {path}' + (f' --stage1 {stage1}' if stage1 else ''),
+        _shown(err) + ' (nothing written)')
 
 
-def test_every_hostile_file_is_one_sentence_at_the_converter(tmp_path, capsys):
+def test_every_hostile_file_is_one_sentence_at_the_converter(tmp_path, capsys, fault):
   """The reader's refusals reach the command as its one error line, for each conversion."""
   _stride0_bomb(tmp_path / 'bomb.pt')
   raw = VQGAN.read_bytes()
@@ -255,16 +303,21 @@ def test_every_hostile_file_is_one_sentence_at_the_converter(tmp_path, capsys):
   config = _config()
   config.data.word2idx_file = f'{PARITY}/stage2_small_word2idx.json'
   config.data.data_dir = str(tmp_path / 'data')
-  for name, message in (('bomb.pt', 'claims 37.3 GiB'), ('cut.ckpt', 'truncated zip archive'),
-                        ('empty.pt', 'is empty'), ('text.pt', 'not a weight file')):
+  for name, message, what in (
+      ('bomb.pt', 'claims 37.3 GiB', 'the stride-0 bomb'),
+      ('cut.ckpt', 'truncated zip archive', 'the fixture VQGAN cut in half'),
+      ('empty.pt', 'is empty', 'an empty file'), ('text.pt', 'not a weight file', 'a text file')):
     for kind in convert_cli.KINDS:
       err = reliability_helpers.exit_message(capsys, convert_cli.convert, config,
                                              str(tmp_path / 'run'), kind, str(tmp_path / name))
       assert message in err, (kind, name, err)
+    fault(COMMAND, f'convert taming, clip and procap given {what}',
+          f'{err} (the same line for each; nothing written)')
   assert not (tmp_path / 'run').exists()
 
 
-def test_a_stage_is_finished_only_when_every_parameter_came_from_the_file(tmp_path, capsys):
+def test_a_stage_is_finished_only_when_every_parameter_came_from_the_file(tmp_path, capsys,
+                                                                          fault):
   """A tokenizer with a discriminator: the VQGAN file has no weights for it, so the stage is not
   written unless --allow_init, which names them."""
   import init_from_test
@@ -279,11 +332,15 @@ def test_a_stage_is_finished_only_when_every_parameter_came_from_the_file(tmp_pa
   assert not workdir.exists()
   assert convert_cli.convert(config, str(workdir), 'taming', str(VQGAN),
                              allow_init=True) == ['tokenizer']
-  assert 'written as finished because of --allow_init' in capsys.readouterr().err
+  warning = capsys.readouterr().err
+  assert 'written as finished because of --allow_init' in warning
   assert os.path.exists(train.stage_done_path(str(workdir), 'tokenizer'))
+  fault(COMMAND, 'convert taming vqgan.ckpt into a tokenizer config that trains a discriminator '
+        '(gan_weight 0.1)', f'{_shown(err)} (nothing written); with --allow_init: the stage is '
+        'written and one warning line names the same parameters')
 
 
-def test_the_command_refuses_the_bomb_and_strict_refuses_foreign_code(tmp_path):
+def test_the_command_refuses_the_bomb_and_strict_refuses_foreign_code(tmp_path, fault):
   """The two cases as a user meets them: `python -m procap_jax.convert` in its own process,
   exit status 2, one `error:` line, no traceback, no workdir."""
   _stride0_bomb(tmp_path / 'bomb.pt')
@@ -301,4 +358,6 @@ def test_the_command_refuses_the_bomb_and_strict_refuses_foreign_code(tmp_path):
     err = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2, run.stderr
     assert len(err) == 1 and err[0].startswith('error: ') and message in err[0], run.stderr
+    fault(COMMAND + ' (own process)', f'python -m procap_jax.convert taming {" ".join(args)}'
+          .replace(str(tmp_path) + '/', ''), f'exit status 2, one stderr line: {err[0]}')
   assert not (tmp_path / 'run').exists() and not (tmp_path / 'ran').exists()
