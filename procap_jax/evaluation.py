@@ -343,6 +343,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     groups.update(type_groups(mapping, predictions))
   metrics = score_captions(predictions, references, groups or None,
                            use_meteor=not args.no_meteor, use_spice=not args.no_spice)
+  unscored = [i for i in references if i not in predictions]
+  if unscored:  # a results file of part of the split: scored, but said so
+    metrics.setdefault('notes', []).append(
+        f'{len(unscored)} of the {len(references)} reference ids have no prediction (e.g. '
+        f'{unscored[0]!r}); the scores are over the {len(predictions)} predicted ids only')
   text = json.dumps(metrics, indent=2)
   if args.out:
     errors.write_text_atomic(args.out, text + '\n')
