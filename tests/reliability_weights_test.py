@@ -108,7 +108,8 @@ def test_genuine_expansion_stays_under_the_limit_and_the_limit_is_overridable(tm
                    (hf.PersistentId(('storage', hf.Call(hf.Global('os', 'system'), ('true',)),
                                      '0', 'cpu', 1)), 0, (1,), (1,)))},
      {'0': b'\0' * 4}, 'storage 0 has a type this reader does not know'),
-])
+], ids=['storage_short', 'past_the_end', 'offset_past_the_end', 'negative_stride',
+        'rank_mismatch', 'partial_value', 'record_missing', 'storage_type_call'])
 def test_tensors_that_claim_more_than_their_storage_holds(tmp_path, fault, case, tree, records,
                                                           message):
   hf.save(tmp_path / 'bad.pt', tree, records)
@@ -148,7 +149,8 @@ def _marker_payloads(marker) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize('name', ['GLOBAL posix.system', 'GLOBAL os.system',
-                                  'STACK_GLOBAL os.system', 'INST os.system', 'builtins.exec'])
+                                  'STACK_GLOBAL os.system', 'INST os.system', 'builtins.exec'],
+                         ids=lambda name: name.replace(' ', '_'))
 def test_malicious_pickles_in_an_archive_run_nothing(tmp_path, fault, name):
   marker = tmp_path / 'ran'
   with zipfile.ZipFile(tmp_path / 'evil.pt', 'w') as z:
@@ -185,14 +187,15 @@ def test_malicious_files_outside_an_archive_are_refused_unread(tmp_path, fault):
   assert not marker.exists()
 
 
-@pytest.mark.parametrize('cut', [100, 0.5, -30])
+@pytest.mark.parametrize('cut', [100, 0.5, -30], ids=['100_bytes', 'half', 'end_missing'])
 def test_truncated_archives_are_called_truncated(tmp_path, fault, cut):
   raw = VQGAN.read_bytes()
   end = int(len(raw) * cut) if isinstance(cut, float) else cut
   (tmp_path / 'cut.ckpt').write_bytes(raw[:end])
   message = _refusal(tmp_path / 'cut.ckpt')
   assert 'truncated' in message and 'not a weight file' not in message
-  fault(READER, f'the fixture VQGAN checkpoint cut to its first {end} of {len(raw)} bytes',
+  kept = len(raw[:end])
+  fault(READER, f'the fixture VQGAN checkpoint cut to its first {kept} of {len(raw)} bytes',
         f'error: {message}')
 
 
@@ -277,7 +280,8 @@ def _config():
     ('procap', 'clip_small.pt', '', 'is an OpenAI CLIP file, not a ProCap stage-2 checkpoint'),
     ('procap', 'stage2_small_model.pt', 'vqgan.ckpt',
      'is a taming VQGAN checkpoint, not a ProCap stage-1 checkpoint as convert procap --stage1'),
-])
+], ids=['procap_stage1_clip', 'clip_stage1', 'clip_vqgan', 'clip_stage2', 'taming_clip',
+        'taming_other', 'procap_vqgan', 'procap_stage1', 'procap_clip', 'procap_stage1_vqgan'])
 def test_wrong_kind_files_are_one_sentence_and_write_nothing(tmp_path, capsys, fault, kind, path,
                                                              stage1, message):
   config = _config()
