@@ -293,6 +293,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )))
   config.compute_dtype = 'float32'     # 'bfloat16': bf16 matmuls, f32 params and accumulation
   config.report = ml_collections.ConfigDict(dict(gallery_per_type=3))
+  # Reading the original's weight files (init_from, python -m procap_jax.convert): strict refuses
+  # a file whose pickle names code outside the reader's allow-list (by default it is read for its
+  # tensors with one warning line); a file may expand to max_expansion x its size on disk.
+  config.weight_files = ml_collections.ConfigDict(dict(strict=False, max_expansion=4.0))
   if preset in ('default', 'ablation'):
     _short_stages(config)
   if preset == 'default':

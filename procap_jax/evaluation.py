@@ -303,7 +303,9 @@ def _read_json(path: str, what: str):
   except FileNotFoundError:
     raise errors.UserError(f'{what} file {path} does not exist; check the path') from None
   except json.JSONDecodeError as e:
-    raise errors.UserError(f'{what} file {path} is not valid JSON ({e.msg} at line {e.lineno}); '
+    message = e.msg.removesuffix(' at')  # 'Unterminated string starting at' + ' at line 1'
+    raise errors.UserError(f'{what} file {path} is not valid JSON ({message} at line {e.lineno} '
+                           f'column {e.colno}); '
                            'check that it was written completely') from None
   except (OSError, UnicodeDecodeError) as e:
     raise errors.UserError(f'cannot read {what} file {path} ({e}); check the file') from None
@@ -341,6 +343,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     groups.update(type_groups(mapping, predictions))
   metrics = score_captions(predictions, references, groups or None,
                            use_meteor=not args.no_meteor, use_spice=not args.no_spice)
+  unscored = [i for i in references if i not in predictions]
+  if unscored:  # a results file of part of the split: scored, but said so
+    metrics.setdefault('notes', []).append(
+        f'{len(unscored)} of the {len(references)} reference ids have no prediction (e.g. '
+        f'{unscored[0]!r}); the scores are over the {len(predictions)} predicted ids only')
   text = json.dumps(metrics, indent=2)
   if args.out:
     errors.write_text_atomic(args.out, text + '\n')

@@ -76,6 +76,9 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
   """
   from procap_jax import config_lib
   config_lib.validate(config)  # before the slow imports below
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise errors.UserError(f'--workdir {workdir} is a file, not a directory; give the directory '
+                           'of a run (a new one is created)')
   if mode == 'evaluate':
     return _evaluate(config, workdir, split, which)
   config_lib.check_saved_config(config, workdir)  # a run of another setup: before any build

@@ -130,3 +130,12 @@ def test_evaluation_command_bad_input(tmp_path, capsys, fault):
                                                        '--references', str(refs), '--no-meteor',
                                                        '--no-spice'])
   fault('evaluation command', 'truncated reference file', err)
+  (tmp_path / 'empty.json').write_bytes(b'[{"image_id": "a", "caption": ""}]')
+  evaluation.write_references(str(refs), {'a': ['a cube'], 'b': ['a ball']})
+  capsys.readouterr()
+  metrics = evaluation.main(['--results', str(tmp_path / 'empty.json'), '--references',
+                             str(refs), '--no-meteor', '--no-spice'])
+  assert metrics['all']['CIDEr'] == 0.0 and len(metrics['notes']) == 2, metrics
+  assert "1 of the 2 reference ids have no prediction (e.g. 'b')" in metrics['notes'][1]
+  fault('evaluation command', 'an empty caption, for one of the two reference ids',
+        'scored (0 for it), with the notes: ' + '; '.join(metrics['notes']))

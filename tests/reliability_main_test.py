@@ -95,3 +95,8 @@ def test_main_bad_workdirs_and_missing_stages(tiny_config, tmp_path, capsys, fau
   err = helpers.exit_message(capsys, main.run, not_dir, str(tmp_path / 'w2'), mode='build')
   assert 'is a file' in err
   fault('main', 'config.data.data_dir is a file', err)
+
+  err = helpers.exit_message(capsys, main.run, tiny_config, str(tmp_path / 'file'), mode='build')
+  assert '--workdir <tmp>/file is a file'.replace('<tmp>', str(tmp_path)) in err
+  assert 'data_dir' not in err
+  fault('main', '--workdir that is a file', err)

@@ -34,8 +34,7 @@ def take(state: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...] | Non
     ConversionError: the key is missing or has another shape.
   """
   if key not in state:
-    close = [k for k in state if k.rsplit('.', 1)[-1] == key.rsplit('.', 1)[-1]][:3]
-    hint = f' (keys with the same ending: {", ".join(close)})' if close else ''
+    hint = _missing_hint(state, key)
     raise ConversionError(f'{source} has no parameter {key!r}{hint}; it is not the file this '
                           'converter expects, or the model size differs')
   value = np.asarray(state[key])
@@ -45,6 +44,20 @@ def take(state: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...] | Non
   if np.issubdtype(value.dtype, np.floating) or value.dtype.kind == 'V':
     value = value.astype(np.float32)
   return value
+
+
+def _missing_hint(state: Mapping[str, np.ndarray], key: str) -> str:
+  """What the file has instead of `key`: the same key under another prefix, or the other
+  entries of the same module (never unrelated keys that merely share the ending)."""
+  moved = sorted(k for k in state if k.endswith('.' + key))[:2]
+  if moved:
+    return f' (it has {" and ".join(map(repr, moved))}: another prefix)'
+  module = key.rsplit('.', 1)[0] if '.' in key else ''
+  siblings = sorted(k.rsplit('.', 1)[-1] for k in state
+                    if '.' in k and k.rsplit('.', 1)[0] == module)
+  if module and siblings:
+    return f' (module {module!r} has {", ".join(siblings[:4])})'
+  return ''
 
 
 def linear(state: Mapping[str, np.ndarray], prefix: str, shape_in: int | None = None,

@@ -30,14 +30,47 @@ CLIP_MARK = 'visual.transformer.resblocks.0.attn.in_proj_weight'
 # VQGanVAE wrapper, `.model` the VQModel), a ProCap stage-2 MMVID_IDC.
 VQGAN_PREFIXES = ('', 'vae.model.', 'intermediate_generator.vae.model.')
 PROCAP_STAGE1_MARK = 'text_emb.weight'
+PROCAP_STAGE2_MARK = 'text_decoder.decoder.out.weight'
+# What `identify` can tell a file is, as the sentences name it.
+KIND_NAMES = {'clip': 'an OpenAI CLIP file', 'taming': 'a taming VQGAN checkpoint',
+              'procap_stage1': 'a ProCap stage-1 checkpoint',
+              'procap_stage2': 'a ProCap stage-2 checkpoint'}
 
 
-def read(path: str, what: str) -> dict:
-  """The flat state dict of `path`, with one sentence when the file is missing."""
+def read(path: str, what: str, config: ml_collections.ConfigDict | None = None,
+         warn: bool = True) -> dict:
+  """The flat state dict of `path`, with one sentence when the file is missing; `config`'s
+  `weight_files` (strict, max_expansion) and `warn` go to the reader."""
   if not os.path.isfile(path):
     raise common.ConversionError(f'{what} {path} does not exist; download it by hand (README, '
                                  '"Start from the original\'s weights") and give its path')
-  return torch_files.state_dict(path)
+  options = {} if config is None else dict(strict=bool(config.weight_files.strict),
+                                           max_expansion=float(config.weight_files.max_expansion))
+  return torch_files.state_dict(path, warn=warn, **options)
+
+
+def identify(state: dict) -> str | None:
+  """Which of KIND_NAMES a flat state dict is, from its keys; None when none fits."""
+  from procap_jax.convert import taming
+  if PROCAP_STAGE2_MARK in state or any(k.startswith('intermediate_generator.') for k in state):
+    return 'procap_stage2'
+  if PROCAP_STAGE1_MARK in state:
+    return 'procap_stage1'
+  if any(k.startswith('visual.') for k in state):
+    return 'clip'
+  if taming.MARK in state:
+    return 'taming'
+  return None
+
+
+def describe(state: dict) -> str:
+  """What a file looks like, for a sentence: a kind, or a few of its keys."""
+  kind = identify(state)
+  if kind:
+    return KIND_NAMES[kind]
+  keys = sorted(state)
+  return (f'a file of none of the kinds the converters take (its {len(keys)} tensors start '
+          f'{", ".join(keys[:3])})')
 
 
 def vqgan_state(state: dict) -> dict:
@@ -60,26 +93,28 @@ def pretrain_source(state: dict) -> str:
       'stage-1 checkpoint), so it cannot start the stage-1 encoder')
 
 
-def converted(stage: str, config: ml_collections.ConfigDict, path: str) -> dict:
+def converted(stage: str, config: ml_collections.ConfigDict, path: str,
+              state: dict | None = None) -> dict:
   """The converted parameters (nested numpy) that `path` gives `stage`'s model: the whole tree,
-  or for CLIP only the encoder's blocks."""
+  or for CLIP only the encoder's blocks. `state`: the file's flat state dict when already read."""
   from procap_jax.convert import clip
   from procap_jax.convert import procap_stage1
   from procap_jax.convert import procap_stage2
   from procap_jax.convert import taming
   if stage == 'tokenizer':
-    state = vqgan_state(read(path, 'the taming VQGAN checkpoint'))
+    state = vqgan_state(state if state is not None else
+                        read(path, 'the taming VQGAN checkpoint', config))
     return taming.convert(state, config.tokenizer.model.to_dict(),
                           drop_unused_attention=config.tokenizer.init_drop_unused_attention)
   if stage == 'pretrain':
-    state = read(path, 'the stage-1 init file')
+    state = state if state is not None else read(path, 'the stage-1 init file', config)
     kwargs = _encoder_kwargs(config)
     if pretrain_source(state) == 'clip':
       return clip.encoder_blocks(state, kwargs,
                                  fp16_round_trip=config.pretrain.clip_fp16_round_trip)
     return procap_stage1.encoder_params(state, kwargs)
   if stage == 'caption':
-    state = read(path, 'the ProCap stage-2 checkpoint')
+    state = state if state is not None else read(path, 'the ProCap stage-2 checkpoint', config)
     return procap_stage2.captioner_params(state, config)
   raise ValueError(f'unknown stage {stage!r}')
 

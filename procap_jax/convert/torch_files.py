@@ -10,11 +10,17 @@ Accepted:
   - safetensors files (the header's JSON, then raw little-endian data).
 Refused with one sentence: legacy (pre-1.6, non-zip) torch files, other pickles, anything else.
 
+Checks: each tensor's shape, strides and offset against its storage's size, and each storage's
+claimed size against its record, before anything is viewed; the bytes a file expands to (storages
+read plus tensors made) may not exceed max_expansion x its size on disk (at least 16 MiB), so a
+498-byte file claiming a 37 GiB stride-0 tensor is one sentence, not an allocation.
+
 Safety: the unpickler resolves no global by import. A short allow-list maps torch's tensor and
 storage rebuild functions (and TorchScript's list builders) to numpy code written here; every
 other global (Lightning callbacks, argparse.Namespace, omegaconf, TorchScript classes, ...) becomes
 an inert `Opaque` record of its name, arguments and state. No constructor or function from the
-file is ever called.
+file is ever called. Such globals (except TorchScript's own `__torch__.*` class tags) are named
+in one warning line on stderr; `strict=True` refuses the file instead.
 
 Typical use: `state_dict(path)` -> `{'encoder.conv_in.weight': np.ndarray, ...}`.
 """
@@ -22,9 +28,11 @@ Typical use: `state_dict(path)` -> `{'encoder.conv_in.weight': np.ndarray, ...}`
 import collections
 import io
 import json
+import math
 import os
 import pickle
 import struct
+import sys
 import zipfile
 from typing import Any, Mapping
 
@@ -51,6 +59,11 @@ _LEGACY_MAGIC = b'\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19'  # pickled 0x1950a8
 ACCEPTED = ('a torch.save zip archive (.pt/.pth/.ckpt, torch >= 1.6), a TorchScript archive '
             '(torch.jit.save, e.g. OpenAI CLIP ViT-B-32.pt) or a safetensors file')
 # Where checkpoints keep their weights, tried in this order by `state_dict`.
+# A file may expand to at most max(DEFAULT_MAX_EXPANSION x its size on disk, MIN_EXPANSION_LIMIT)
+# bytes (storages read plus tensors made): a genuine checkpoint expands to about 2 x (each
+# storage once, each tensor once); a tensor with stride 0 and a huge shape claims far more.
+DEFAULT_MAX_EXPANSION = 4.0
+MIN_EXPANSION_LIMIT = 1 << 24
 STATE_KEYS = ('state_dict', 'model', 'weights', 'module', 'model_state_dict', 'net', 'params')
 
 
@@ -104,25 +117,6 @@ class _StorageType:
     self.dtype = np.dtype(dtype)
 
 
-def _rebuild_tensor(storage, offset, size, stride, *unused) -> np.ndarray:
-  """torch._utils._rebuild_tensor_v2: a strided view of a storage, copied to a new array."""
-  del unused
-  if not isinstance(storage, np.ndarray):
-    raise FormatError('a tensor in the file points at no storage; the file is damaged')
-  size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
-  if not size:
-    return np.array(storage[int(offset)])
-  extent = int(offset) + 1 + sum((n - 1) * s for n, s in zip(size, stride) if n > 0)
-  if 0 not in size and extent > storage.size:
-    raise FormatError(f'a tensor of shape {size} reaches past the end of its storage '
-                      f'({storage.size} elements); the file is truncated or damaged')
-  item = storage.dtype.itemsize
-  view = np.lib.stride_tricks.as_strided(storage[int(offset):] if storage.size else storage,
-                                         shape=size, strides=[s * item for s in stride],
-                                         writeable=False)
-  return np.array(view)
-
-
 def _rebuild_parameter(data, *unused) -> np.ndarray:
   """torch._utils._rebuild_parameter(_with_state): the parameter's data."""
   del unused
@@ -135,9 +129,9 @@ def _identity_list(data, *unused):
   return data
 
 
+# The tensor rebuilders are the unpickler's own methods (they check and count what they make).
+_REBUILD_TENSOR = {('torch._utils', '_rebuild_tensor_v2'), ('torch._utils', '_rebuild_tensor')}
 _ALLOWED = {
-    ('torch._utils', '_rebuild_tensor_v2'): _rebuild_tensor,
-    ('torch._utils', '_rebuild_tensor'): _rebuild_tensor,
     ('torch._utils', '_rebuild_parameter'): _rebuild_parameter,
     ('torch._utils', '_rebuild_parameter_with_state'): _rebuild_parameter,
     ('collections', 'OrderedDict'): collections.OrderedDict,
@@ -151,39 +145,130 @@ _ALLOWED = {
 
 
 class _Unpickler(pickle.Unpickler):
-  """Unpickler over one archive: storages from `read_record`, globals from the allow-list."""
+  """Unpickler over one archive: storages from `read_record`, globals from the allow-list.
 
-  def __init__(self, data: bytes, read_record, byteorder: str):
+  Every tensor's shape, strides and offset are checked against its storage's size before it is
+  viewed, and the bytes the file expands to (storages read plus tensors made) are counted against
+  `budget`, so a small file cannot make the reader allocate more than that."""
+
+  def __init__(self, data: bytes, read_record, byteorder: str, path: str,
+               max_expansion: float | None):
     super().__init__(io.BytesIO(data))
     self._read_record = read_record
     self._byteorder = byteorder
+    self._path = path
+    self._limit_text = expansion_text(os.path.getsize(path), max_expansion)
+    self._budget = expansion_limit(os.path.getsize(path), max_expansion)
+    self._spent = 0
     self._storages: dict[str, np.ndarray] = {}
+    self._storage_keys: dict[int, str] = {}
+    self.foreign: list[str] = []  # globals outside the allow-list, in the order first met
 
   def find_class(self, module: str, name: str) -> Any:
+    if (module, name) in _REBUILD_TENSOR:
+      return self._rebuild_tensor
     if (module, name) in _ALLOWED:
       return _ALLOWED[(module, name)]
     if module == 'torch' and name in _STORAGE_DTYPES:
       return _StorageType(_STORAGE_DTYPES[name])
     if module == 'torch' and name in _DTYPE_NAMES:
       return _StorageType(_DTYPE_NAMES[name])
-    return _opaque_class(f'{module}.{name}')
+    full = f'{module}.{name}'
+    if not module.startswith('__torch__') and full not in self.foreign:
+      self.foreign.append(full)  # TorchScript's own class tags are not Python code
+    return _opaque_class(full)
+
+  def _spend(self, nbytes: int, what: str) -> None:
+    self._spent += nbytes
+    if self._spent > self._budget:
+      raise FormatError(
+          f'{self._path} would expand past the reader\'s limit of {self._limit_text}: {what} '
+          f'alone claims {size_text(nbytes)}; it is damaged or hostile (raise max_expansion only '
+          'for a file you trust)')
 
   def persistent_load(self, pid: Any) -> Any:
     if not (isinstance(pid, tuple) and pid and pid[0] == 'storage' and len(pid) >= 3):
-      raise FormatError(f'the file refers to an external object {pid!r:.60} this reader does not '
-                        'know; it is not a plain torch weight file')
+      raise FormatError(f'{self._path} refers to an external object {pid!r:.60} this reader does '
+                        'not know; it is not a plain torch weight file')
     storage_type, key = pid[1], str(pid[2])
     if key not in self._storages:
       if not isinstance(storage_type, _StorageType):
-        raise FormatError(f'storage {key} of the file has a type this reader does not know '
-                          f'({storage_type!r}); accepted: {", ".join(_STORAGE_DTYPES)}')
-      raw = self._read_record(key)
+        raise FormatError(f'{self._path}: storage {key} has a type this reader does not know '
+                          f'({storage_type!r:.60}); accepted: {", ".join(_STORAGE_DTYPES)}')
       dtype = storage_type.dtype.newbyteorder('<' if self._byteorder == 'little' else '>')
+      size = self._record_size(key)
+      if len(pid) >= 5 and isinstance(pid[4], int) and pid[4] * dtype.itemsize > size:
+        raise FormatError(f'{self._path}: storage {key} claims {pid[4] * dtype.itemsize} bytes '
+                          f'({pid[4]} {dtype.name} values), holds {size}; the file is truncated '
+                          'or damaged')
+      self._spend(size, f'storage {key}')
+      raw = self._read_record(key)
       if len(raw) % dtype.itemsize:
-        raise FormatError(f'storage {key} has {len(raw)} bytes, not a whole number of '
-                          f'{dtype.name} values; the file is damaged')
+        raise FormatError(f'{self._path}: storage {key} has {len(raw)} bytes, not a whole number '
+                          f'of {dtype.name} values; the file is damaged')
       self._storages[key] = np.frombuffer(raw, dtype=dtype).astype(storage_type.dtype)
+      self._storage_keys[id(self._storages[key])] = key
     return self._storages[key]
+
+  def _record_size(self, key: str) -> int:
+    return self._read_record(key, size_only=True)
+
+  def _rebuild_tensor(self, storage, offset, size, stride, *unused) -> np.ndarray:
+    """torch._utils._rebuild_tensor_v2: a strided view of a storage, checked, then copied."""
+    del unused
+    if not isinstance(storage, np.ndarray):
+      raise FormatError(f'a tensor in {self._path} points at no storage; the file is damaged')
+    key = self._storage_keys.get(id(storage), '?')
+    sequences = isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list))
+    if not (_is_int(offset) and sequences and all(map(_is_int, size))
+            and all(map(_is_int, stride)) and len(size) == len(stride) and offset >= 0
+            and min(size, default=0) >= 0 and min(stride, default=0) >= 0):
+      raise FormatError(f'{self._path}: a tensor of storage {key} has a malformed shape '
+                        f'{size!r:.60}, strides {stride!r:.60} or offset {offset!r:.20}; the file '
+                        'is damaged')
+    size, stride, offset = tuple(int(s) for s in size), tuple(int(s) for s in stride), int(offset)
+    item = storage.dtype.itemsize
+    numel = math.prod(size)
+    if numel == 0:
+      needed = offset
+    else:
+      needed = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    if needed > storage.size:
+      raise FormatError(f'{self._path}: a tensor of shape {size} with strides {stride} at offset '
+                        f'{offset} claims {needed * item} bytes of storage {key}, which holds '
+                        f'{storage.size * item}; the file is truncated or damaged')
+    self._spend(numel * item, f'a tensor of shape {size}')
+    if not size:
+      return np.array(storage[offset])
+    view = np.lib.stride_tricks.as_strided(storage[offset:] if storage.size else storage,
+                                           shape=size, strides=[s * item for s in stride],
+                                           writeable=False)
+    return np.array(view)
+
+
+def size_text(nbytes: int) -> str:
+  """`nbytes` for a sentence: '498 bytes', '16 MiB', '37.3 GiB'."""
+  for unit, scale in (('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
+    if nbytes >= scale:
+      return f'{nbytes / scale:.3g} {unit}'
+  return f'{nbytes} bytes'
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def expansion_text(file_size: int, max_expansion: float | None = None) -> str:
+  """How the expansion limit of a file of `file_size` bytes reads in a sentence."""
+  factor = DEFAULT_MAX_EXPANSION if max_expansion is None else max_expansion
+  return (f'{size_text(expansion_limit(file_size, factor))} (max_expansion {factor:g} x its '
+          f'{size_text(file_size)} on disk, at least {size_text(MIN_EXPANSION_LIMIT)})')
+
+
+def expansion_limit(file_size: int, max_expansion: float | None = None) -> int:
+  """The most bytes a file of `file_size` bytes may expand to (storages plus tensors)."""
+  factor = DEFAULT_MAX_EXPANSION if max_expansion is None else max_expansion
+  return max(int(factor * file_size), MIN_EXPANSION_LIMIT)
 
 
 def _kind(path: str) -> str:
@@ -196,6 +281,9 @@ def _kind(path: str) -> str:
     raise FormatError(f'{path} is empty; accepted: {ACCEPTED}')
   if zipfile.is_zipfile(path):
     return 'zip'
+  if head.startswith(b'PK\x03\x04'):
+    raise FormatError(f'{path} is a truncated zip archive ({os.path.getsize(path)} bytes, its '
+                      'closing directory is missing); copy or download the whole file again')
   if head.startswith(_LEGACY_MAGIC):
     raise FormatError(f'{path} is a legacy (pre-1.6, non-zip) torch file, which cannot be read '
                       'without running its pickle; re-save it with torch.save(torch.load(f), f) '
@@ -208,8 +296,8 @@ def _kind(path: str) -> str:
   raise FormatError(f'{path} is not a weight file this reader knows; accepted: {ACCEPTED}')
 
 
-def _read_zip(path: str) -> tuple[Any, bool]:
-  """(unpickled data.pkl, is_torchscript) of a torch zip archive."""
+def _read_zip(path: str, max_expansion: float | None = None) -> tuple[Any, bool, list[str]]:
+  """(unpickled data.pkl, is_torchscript, foreign globals) of a torch zip archive."""
   try:
     archive = zipfile.ZipFile(path)
   except (zipfile.BadZipFile, OSError) as e:
@@ -225,52 +313,111 @@ def _read_zip(path: str) -> tuple[Any, bool]:
         f'{root}/constants.pkl' in names
     byteorder = 'little'
     if f'{root}/byteorder' in names:
-      byteorder = archive.read(f'{root}/byteorder').decode().strip() or 'little'
+      byteorder = archive.read(f'{root}/byteorder').decode(errors='replace').strip() or 'little'
+    if byteorder not in ('little', 'big'):
+      raise FormatError(f'{path} names the byte order {byteorder!r:.20}; the file is damaged')
 
-    def read_record(key: str) -> bytes:
+    def read_record(key: str, size_only: bool = False):
       try:
-        return archive.read(f'{root}/data/{key}')
+        info = archive.getinfo(f'{root}/data/{key}')
       except KeyError:
         raise FormatError(f'{path} lacks the storage record data/{key}; the file is truncated '
                           'or damaged') from None
+      return info.file_size if size_only else archive.read(info)
 
+    pkl_size, disk = archive.getinfo(pkl[0]).file_size, os.path.getsize(path)
+    if pkl_size > expansion_limit(disk, max_expansion):
+      raise FormatError(f'{path}: its data.pkl claims {size_text(pkl_size)}, over the limit of '
+                        f'{expansion_text(disk, max_expansion)}; it is damaged or hostile')
     try:
-      obj = _Unpickler(archive.read(pkl[0]), read_record, byteorder).load()
-    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as e:
-      raise FormatError(f'{path} has a damaged data.pkl ({type(e).__name__}: {e})') from None
-  return obj, torchscript
+      unpickler = _Unpickler(archive.read(pkl[0]), read_record, byteorder, path, max_expansion)
+      obj = unpickler.load()
+    except errors.UserError:
+      raise
+    except MemoryError:
+      raise FormatError(f'{path} needs more memory than this machine gives; it is damaged or '
+                        'too large') from None
+    except Exception as e:  # pylint: disable=broad-except  (hostile bytes: any failure is one)
+      raise FormatError(f'{path} has a damaged data.pkl ({type(e).__name__}: {e})'[:300]) from None
+  return obj, torchscript, unpickler.foreign
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+def _read_safetensors(path: str, max_expansion: float | None = None) -> dict[str, np.ndarray]:
+  """The tensors of a safetensors file, each checked to lie inside the file."""
   with open(path, 'rb') as f:
     raw = f.read()
+  if len(raw) < 8:
+    raise FormatError(f'{path} is a truncated safetensors file ({len(raw)} bytes)')
   (n,) = struct.unpack('<Q', raw[:8])
+  if 8 + n > len(raw):
+    raise FormatError(f'{path}: its safetensors header claims {n} bytes, the file holds '
+                      f'{len(raw) - 8} after the length; it is truncated')
   try:
     header = json.loads(raw[8:8 + n])
   except ValueError:
     raise FormatError(f'{path} has a damaged safetensors header') from None
+  if not isinstance(header, dict):
+    raise FormatError(f'{path} has a damaged safetensors header (not a JSON object)')
   body, out = raw[8 + n:], {}
   for name, spec in header.items():
     if name == '__metadata__':
       continue
-    if spec.get('dtype') not in _SAFETENSORS_DTYPES:
-      raise FormatError(f'{path}: tensor {name!r} has dtype {spec.get("dtype")}, which this '
-                        f'reader does not know ({", ".join(_SAFETENSORS_DTYPES)})')
-    start, end = spec['data_offsets']
+    if not isinstance(spec, dict) or spec.get('dtype') not in _SAFETENSORS_DTYPES:
+      raise FormatError(f'{path}: tensor {name!r:.60} has dtype '
+                        f'{spec.get("dtype") if isinstance(spec, dict) else None!r:.20}, which '
+                        f'this reader does not know ({", ".join(_SAFETENSORS_DTYPES)})')
+    offsets, shape = spec.get('data_offsets'), spec.get('shape')
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and isinstance(shape, list) and all(map(_is_int, shape))
+            and min(shape, default=0) >= 0 and 0 <= offsets[0] <= offsets[1]):
+      raise FormatError(f'{path}: tensor {name!r:.60} has a malformed shape or data_offsets')
+    start, end = offsets
     dtype = np.dtype(_SAFETENSORS_DTYPES[spec['dtype']])
-    if end > len(body) or (end - start) != dtype.itemsize * int(np.prod(spec['shape'])):
-      raise FormatError(f'{path}: tensor {name!r} does not fit the file; it is truncated')
-    out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(spec['shape']).copy()
+    claimed = dtype.itemsize * math.prod(shape)
+    if end > len(body) or (end - start) != claimed:
+      raise FormatError(f'{path}: tensor {name!r:.60} of shape {tuple(shape)} claims {claimed} '
+                        f'bytes, holds {max(0, min(end, len(body)) - start)}; the file is '
+                        'truncated or damaged')
+    out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape).copy()
   return out
 
 
-def load(path: str) -> Any:
+def _names(foreign: list[str]) -> str:
+  return ', '.join(foreign[:6]) + (f' and {len(foreign) - 6} more' if len(foreign) > 6 else '')
+
+
+def _refuse_if_strict(path: str, foreign: list[str], strict: bool) -> None:
+  if foreign and strict:
+    raise FormatError(f'{path} references code outside the weight-file allow-list '
+                      f'({_names(foreign)}); strict mode refuses it (none of it was run); re-save '
+                      'only the tensors, or read it without --strict')
+
+
+def warn_foreign(path: str, foreign: list[str]) -> None:
+  """One warning line on stderr naming the globals outside the allow-list (none: nothing)."""
+  if foreign:
+    print(f'warning: {path} references code outside the weight-file allow-list '
+          f'({_names(foreign)}); none of it was run (kept as inert records) and only the tensors '
+          'are used; --strict refuses such files', file=sys.stderr, flush=True)
+
+
+class StateDict(dict):
+  """A flat `{name: array}` dict that also carries `foreign`: the globals outside the
+  allow-list its file's pickle named (none of them run)."""
+  foreign: list[str] = []
+
+
+def load(path: str, *, strict: bool = False, max_expansion: float | None = None) -> Any:
   """The file's object tree: dicts, lists and numbers as pickled, tensors as numpy arrays,
   other objects as `Opaque`. A TorchScript archive gives its root module as an Opaque whose
-  `state` dict holds the attributes (submodules, parameters)."""
+  `state` dict holds the attributes (submodules, parameters). strict and max_expansion: see
+  `state_dict`."""
   if _kind(path) == 'safetensors':
-    return _read_safetensors(path)
-  return _read_zip(path)[0]
+    return _read_safetensors(path, max_expansion)
+  obj, _, foreign = _read_zip(path, max_expansion)
+  _refuse_if_strict(path, foreign, strict)
+  warn_foreign(path, foreign)
+  return obj
 
 
 def _module_tensors(obj: Any, prefix: str, out: dict, seen: set) -> None:
@@ -305,7 +452,8 @@ def _is_state(tree: Any) -> bool:
   return isinstance(tree, Mapping) and bool(_flatten(tree))
 
 
-def state_dict(path: str, key: str | None = None) -> dict[str, np.ndarray]:
+def state_dict(path: str, key: str | None = None, *, strict: bool = False,
+               max_expansion: float | None = None, warn: bool = True) -> StateDict:
   """The flat `{dotted name: array}` weights of a file.
 
   Args:
@@ -313,14 +461,22 @@ def state_dict(path: str, key: str | None = None) -> dict[str, np.ndarray]:
     key: where the weights sit in a checkpoint dict (e.g. 'model'); None looks for the first of
       STATE_KEYS that holds tensors, else takes the whole dict. A prefix `module.` (DDP) on
       every name is removed.
+    strict: refuse a file whose pickle names globals outside the allow-list (by default they
+      are read as inert records and one warning line on stderr names them).
+    max_expansion: the file may expand to this many times its size on disk (at least
+      MIN_EXPANSION_LIMIT bytes); None = DEFAULT_MAX_EXPANSION.
+    warn: print the warning line about foreign globals here (False: the caller does, e.g. once
+      it has checked the file is the kind it wants, with `warn_foreign(path, result.foreign)`).
 
   Raises:
     FormatError: the file is not accepted, or holds no tensors where expected.
   """
+  foreign = []
   if _kind(path) == 'safetensors':
-    flat = _read_safetensors(path)
+    flat = _read_safetensors(path, max_expansion)
   else:
-    obj, torchscript = _read_zip(path)
+    obj, torchscript, foreign = _read_zip(path, max_expansion)
+    _refuse_if_strict(path, foreign, strict)
     if torchscript:
       flat = {}
       _module_tensors(obj, '', flat, set())
@@ -337,4 +493,8 @@ def state_dict(path: str, key: str | None = None) -> dict[str, np.ndarray]:
                       + '; it is not a weight file')
   if all(k.startswith('module.') for k in flat):
     flat = {k[len('module.'):]: v for k, v in flat.items()}
-  return flat
+  out = StateDict(flat)
+  out.foreign = foreign
+  if warn:
+    warn_foreign(path, foreign)
+  return out
