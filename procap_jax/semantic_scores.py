@@ -291,3 +291,85 @@ def reference_rows(info: list[dict], ids: Iterable[str] | None = None) -> dict[s
     metrics.update(score(predictions, truths)[0])
     out[name] = {'captioner': captioner, 'metrics': metrics}
   return out
+
+
+def _dataset_config(data_dir: str, builder_config: str):
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  return ml_collections.ConfigDict({'data': {'name': DATASET, 'builder_config': builder_config,
+                                             'data_dir': data_dir}})
+
+
+def rescore(workdir: str, split: str, with_reference_rows: bool = False) -> dict:
+  """A finished run's saved predictions of `split` (`caption/predictions_<split>.json`) scored
+  again: BLEU, ROUGE-L and CIDEr overall and per group (no METEOR), the semantic scores, the
+  pairs per error class, and with `with_reference_rows` the reference rows on the same pairs."""
+  from procap_jax import caption  # pylint: disable=import-outside-toplevel
+  from procap_jax.data import pipeline  # pylint: disable=import-outside-toplevel
+  from procap_jax.tasks import caption as caption_task  # pylint: disable=import-outside-toplevel
+  config = caption.load_run_config(workdir)
+  if not applies(config):
+    raise errors.UserError(f'the run in {workdir} is on {config.data.name}; semantic scores exist '
+                           f'for the {DATASET} benchmark only')
+  path = os.path.join(workdir, 'caption', f'predictions_{split}.json')
+  if not os.path.isfile(path):
+    raise errors.UserError(
+        f'{path} does not exist: the run has no saved {split} predictions; make them with '
+        f'python -m procap_jax.main --config <the run\'s config> --workdir {workdir} '
+        f'--mode evaluate --split {split}')
+  predictions = evaluation.read_results(path)
+  info = pipeline.load_split_info(config, split, workdir)
+  references = {rec['pair_id']: rec['captions'] for rec in info}
+  scores = evaluation.score_captions(predictions, references,
+                                     groups=caption_task.change_groups(info, predictions),
+                                     use_meteor=False, use_spice=False)
+  metrics = caption_task.flat_metrics(scores)
+  semantic, classes = score(predictions, split_truths(info))
+  metrics.update(semantic)
+  out = {'workdir': workdir, 'split': split, 'pairs': len(predictions), 'metrics': metrics,
+         'error_classes': dict(collections.Counter(classes.values()))}
+  if with_reference_rows:
+    out['reference_rows'] = reference_rows(info, predictions)
+  return out
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog='python -m procap_jax.semantic_scores',
+      description='Semantic scores of captions on the synthetic change benchmark (JSON).')
+  parser.add_argument('--workdir', help='a finished run: rescore its saved predictions')
+  parser.add_argument('--data_dir', help='without --workdir: the data directory of a built '
+                      'synthetic_change dataset; prints the reference rows of the split')
+  parser.add_argument('--dataset_config', default='small',
+                      help='with --data_dir: the synthetic_change config (tiny, small, full)')
+  parser.add_argument('--split', default='test', help='train, val or test')
+  parser.add_argument('--reference_rows', action='store_true',
+                      help='with --workdir: add the reference rows on the same pairs')
+  return parser
+
+
+@errors.exit_on_user_error
+def main(argv: list[str] | None = None) -> dict:
+  args = _parser().parse_args(argv)
+  if args.split not in scene.SPLITS:
+    raise errors.UserError(f'--split {args.split} is not a split; choose one of '
+                           f'{", ".join(scene.SPLITS)}')
+  if args.workdir:
+    out = rescore(args.workdir, args.split, args.reference_rows)
+  elif args.data_dir:
+    from procap_jax.data import pipeline  # pylint: disable=import-outside-toplevel
+    from tfds_builders.synthetic_change import synthetic_change_dataset_builder as builder
+    builder.check_config_name(args.dataset_config)
+    info = pipeline.load_split_info(_dataset_config(args.data_dir, args.dataset_config),
+                                    args.split, '')
+    out = {'dataset': f'{DATASET}/{args.dataset_config}', 'split': args.split,
+           'pairs': len(info), 'reference_rows': reference_rows(info)}
+  else:
+    raise errors.UserError('give --workdir W (a finished run, to rescore its predictions) or '
+                           '--data_dir D (a built synthetic_change dataset, for the reference '
+                           'rows)')
+  print(json.dumps(out, indent=1))
+  return out
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

@@ -82,6 +82,17 @@ def test_evaluate_mode_restores_a_checkpoint(finished_run):
   assert latest['split'] == 'val'
 
 
+def test_semantic_scores_command_rescores_the_saved_predictions(finished_run, capsys):
+  from procap_jax import semantic_scores
+  config, workdir, results = finished_run
+  out = semantic_scores.main(['--workdir', workdir, '--split', 'test'])
+  assert json.loads(capsys.readouterr().out) == out
+  m = results['metrics']
+  for name in ('CIDEr', 'change/CIDEr', 'semantic/decision', 'semantic/type', 'semantic/right'):
+    assert out['metrics'][name] == pytest.approx(m[name])
+  assert sum(out['error_classes'].values()) == out['pairs']
+
+
 def test_stage2_without_stage1_checkpoint_is_a_user_error(tiny_config, tmp_path):
   tiny_config.stages = ('caption',)
   with pytest.raises(SystemExit) as e:

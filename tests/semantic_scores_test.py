@@ -124,9 +124,12 @@ def test_truth_from_change_params():
     ss.truth_of({})  # what the real datasets store
 
 
-def test_reference_rows(tiny_config, tmp_path):
+def test_reference_rows_command(tiny_config, tiny_data_dir, tmp_path, capsys):
   info = pipeline.load_split_info(tiny_config, 'test', str(tmp_path))
-  rows = ss.reference_rows(info)
+  out = ss.main(['--data_dir', tiny_data_dir, '--dataset_config', 'tiny', '--split', 'test'])
+  assert json.loads(capsys.readouterr().out) == out
+  assert out['pairs'] == len(info)
+  rows = out['reference_rows']
   fixed = ss.most_frequent_change_sentence(info)
   assert fixed in rows['change_constant']['captioner']
   constant = rows['no_change_constant']['metrics']
@@ -141,3 +144,18 @@ def test_reference_rows(tiny_config, tmp_path):
   oracle = rows['template_oracle']['metrics']
   assert oracle['semantic/right'] == oracle['semantic/attributes'] == 1.0
   assert oracle['change/CIDEr'] > perfect['change/CIDEr']
+
+
+@pytest.mark.parametrize('argv, match', [
+    ([], 'give --workdir W'),
+    (['--data_dir', 'D', '--split', 'dev'], 'is not a split'),
+    (['--data_dir', 'D', '--dataset_config', 'huge'], 'unknown synthetic_change config'),
+    (['--workdir', 'no/such/run'], 'does not exist'),
+])
+def test_command_bad_input_is_one_sentence(argv, match, tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit) as exit_info:
+    ss.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and match in err and err.count('\n') == 1
