@@ -1,7 +1,8 @@
 r"""Semantic scores on the synthetic change benchmark: what a caption says, against the truth.
 
   python -m procap_jax.semantic_scores --workdir W --split test       # a finished run's captions
-  python -m procap_jax.semantic_scores --data_dir D --split test      # the reference rows only
+  python -m procap_jax.semantic_scores --data_dir D --split test      # reference rows, and how
+      # many of the split's references the grammar reads back as their pair's truth
 
 The benchmark's captions come from a small grammar (`tfds_builders/synthetic_change/captions.py`:
 a few no-change sentences and, per change type, templates around the changed object's phrase
@@ -242,6 +243,20 @@ def split_truths(info: list[dict]) -> dict[str, Truth]:
   return {rec['pair_id']: truth_of(rec['change_params']) for rec in info}
 
 
+def references_read_back(info: list[dict]) -> dict[str, int]:
+  """{'references': how many the split's records hold, 'read_back': how many `parse` reads as
+  exactly their pair's truth (type, the four attributes, the new value)}."""
+  total = right = 0
+  for rec in info:
+    truth = truth_of(rec['change_params'])
+    for caption in rec['captions']:
+      reading = parse(caption)
+      total += 1
+      right += reading is not None and (reading.type, dict(reading.object), reading.new) == (
+          truth.type, dict(truth.object), truth.new)
+  return {'references': total, 'read_back': right}
+
+
 def most_frequent_change_sentence(info: list[dict], ids: Iterable[str] | None = None) -> str:
   """The reference sentence of the change pairs that occurs most often (alphabetically first
   among equals), counted over every reference of the pairs `ids` (None: all)."""
@@ -362,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
     info = pipeline.load_split_info(_dataset_config(args.data_dir, args.dataset_config),
                                     args.split, '')
     out = {'dataset': f'{DATASET}/{args.dataset_config}', 'split': args.split,
-           'pairs': len(info), 'reference_rows': reference_rows(info)}
+           'pairs': len(info), **references_read_back(info),
+           'reference_rows': reference_rows(info)}
   else:
     raise errors.UserError('give --workdir W (a finished run, to rescore its predictions) or '
                            '--data_dir D (a built synthetic_change dataset, for the reference '

@@ -129,6 +129,7 @@ def test_reference_rows_command(tiny_config, tiny_data_dir, tmp_path, capsys):
   out = ss.main(['--data_dir', tiny_data_dir, '--dataset_config', 'tiny', '--split', 'test'])
   assert json.loads(capsys.readouterr().out) == out
   assert out['pairs'] == len(info)
+  assert out['read_back'] == out['references'] == sum(len(r['captions']) for r in info)
   rows = out['reference_rows']
   fixed = ss.most_frequent_change_sentence(info)
   assert fixed in rows['change_constant']['captioner']
