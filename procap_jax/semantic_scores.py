@@ -124,9 +124,9 @@ def parse(caption: str) -> Reading | None:
   if len({kind for kind, _, _ in found}) > 1:  # a template colour and material share
     found = {f for f in found if f[0] in NEW_VALUES and f[2] in NEW_VALUES[f[0]]}
     if len({kind for kind, _, _ in found}) != 1:
-      _, named, new = next(iter(found)) if found else (None, (), None)
+      _, named, new = min(found, key=repr) if found else (None, (), None)
       return Reading(None, dict(named), new)
-  kind, named, new = sorted(found)[0]
+  kind, named, new = min(found, key=repr)  # one reading, whatever the set's order
   return Reading(kind, dict(named), new)
 
 
