@@ -85,3 +85,22 @@ def assert_same_ids_with_margins(got: np.ndarray, want: np.ndarray, gaps: np.nda
   for i in range(want.shape[0]):
     upto = want.shape[1] if clear[i] else int(np.argmax(near[i])) + 1  # tokens 0..t
     np.testing.assert_array_equal(got[i, :upto], want[i, :upto], err_msg=f'row {i}')
+
+
+def code_gaps(z: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+  """z [..., D], codebook [K, D] -> the squared distance to the second-nearest code minus that
+  to the nearest ([...]): how far `vqgan.nearest_code`'s choice is from a tie."""
+  z, codebook = np.asarray(z, np.float64), np.asarray(codebook, np.float64)
+  d = np.sum((z[..., None, :] - codebook) ** 2, axis=-1)  # [..., K]
+  two = np.partition(d, 1, axis=-1)[..., :2]
+  return two[..., 1] - two[..., 0]
+
+
+def code_error(z: np.ndarray, codebook: np.ndarray, rel: float) -> np.ndarray:
+  """Bound on how much a relative error `rel` in z (||dz|| <= rel ||z||) moves a code_gaps
+  value: each distance ||z - e_k||^2 moves by at most 2 ||z - e_k|| ||dz|| (+ ||dz||^2), the gap
+  by twice the largest of those ([...])."""
+  z, codebook = np.asarray(z, np.float64), np.asarray(codebook, np.float64)
+  dz = rel * np.linalg.norm(z, axis=-1)  # [...]
+  far = np.linalg.norm(z[..., None, :] - codebook, axis=-1).max(-1)  # [...]
+  return 2 * (2 * far * dz + dz ** 2)
