@@ -14,7 +14,6 @@ from procap_jax import errors
 from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import stand_ins
-from procap_jax.models import vqgan
 from procap_jax.tasks import caption
 from procap_jax.tasks import encodings
 from procap_jax.tasks import pretrain
@@ -68,15 +67,10 @@ def test_cached_encodings_are_those_of_the_keyframes(config, tokenizer_params):
   # are within 1e-6 of a tie). The encoder's relative error, 16 ulps x sqrt(its longest sum, a
   # 3x3 conv over 64 channels) (tests/margins.py), is checked on the features (the same encoder
   # on [0, 1] images; 7 ulps measured); the codes see [-1, 1] images.
-  m = tokenizer.model
   rel = margins.sum_tolerance(1.0, 9 * 64, ulps=16)
   assert np.abs(batch['keyframe_features'] - features).max() <= rel * np.abs(features).max()
   images = encodings.images01(batch['keyframes']).reshape((-1,) + batch['keyframes'].shape[2:])
-  z = jax.jit(lambda p, x: m.apply({'params': p}, x, method=lambda mod, x: mod.quant_conv(
-      mod.encoder(vqgan.scale_input(x, m.token_input_scale), False))))(tokenizer_params, images)
-  z = np.asarray(z).reshape(codes.shape + z.shape[-1:])  # [B, T, N, D]
-  codebook = tokenizer_params['quantize']['embedding']
-  clear = margins.code_gaps(z, codebook) > margins.code_error(z, codebook, rel)
+  clear = margins.clear_codes(tokenizer.model, tokenizer_params, images, rel).reshape(codes.shape)
   assert clear.mean() > 0.9, clear.mean()  # 98% here
   np.testing.assert_array_equal(batch['keyframe_codes'][clear], np.asarray(codes)[clear])
   # The training stream carries them too, in later epochs as well (batch 30: epoch 2 of 48

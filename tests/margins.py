@@ -20,6 +20,8 @@ import math
 import jax
 import numpy as np
 
+from procap_jax.models import vqgan
+
 EPS = float(np.finfo(np.float32).eps)  # 1 ulp of 1.0 in float32
 
 
@@ -104,3 +106,15 @@ def code_error(z: np.ndarray, codebook: np.ndarray, rel: float) -> np.ndarray:
   dz = rel * np.linalg.norm(z, axis=-1)  # [...]
   far = np.linalg.norm(z[..., None, :] - codebook, axis=-1).max(-1)  # [...]
   return 2 * (2 * far * dz + dz ** 2)
+
+
+def clear_codes(model: vqgan.VQGAN, params, images01, rel: float) -> np.ndarray:
+  """[M, h*w] bool: which of `model.encode_tokens(images01)`'s codes win by more than a relative
+  error `rel` of the encoder output can move the distances (`code_gaps` > `code_error`)."""
+  def z_of(p, x):
+    return model.apply({'params': p}, x, method=lambda m, x: m.quant_conv(
+        m.encoder(vqgan.scale_input(x, m.token_input_scale), False)))
+  z = np.asarray(jax.jit(z_of)(params, images01), np.float32)  # [M, h, w, D]
+  z = z.reshape(z.shape[0], -1, z.shape[-1])  # [M, h*w, D]
+  codebook = params['quantize']['embedding']
+  return code_gaps(z, codebook) > code_error(z, codebook, rel)
