@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+import margins  # tests/ is on the path (pytest's default import mode)
 from configs import synthetic
 from procap_jax import config_lib
 from procap_jax import checkpointing
@@ -21,6 +22,7 @@ from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import procedure_encoder
 from procap_jax.tasks import caption
 from procap_jax.tasks import caption_optimizer
+from procap_jax.tasks import encodings
 
 # ------------------------------------------------------------------ loss
 
@@ -318,7 +320,22 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
   config.caption.decoding.encode_rows = 3  # 8 pairs: 3 calls and one padding copy
   rows_tokens = caption.generate(params, constants, config, model, batch['before'],
                                  batch['after'], FakeTokenizer())
-  np.testing.assert_array_equal(rows_tokens, tokens)
+  # Two programs (the encoder on 3 pairs at a time vs all 8): the same words where each has a
+  # top-2 logit gap above twice the logits' float error, 64 ulps x sqrt(ffn) of their scale
+  # (tests/margins.py), checked on the two memories' teacher-forced logits.
+  fb, fa = encodings.pair_features(FakeTokenizer(), {}, batch)
+
+  @jax.jit
+  def logits(tokens):
+    return [model.apply({'params': params}, captioner_lib.encode_memory(
+        model, params, fb, fa, rows), tokens, method='decode_logits') for rows in (0, 3)]
+
+  whole, by_rows = map(np.asarray, logits(jnp.asarray(tokens[:, :-1])))
+  error = margins.sum_tolerance(np.abs(whole).max(), config.caption.model.ffn, ulps=64)
+  assert np.abs(by_rows - whole).max() <= error
+  gaps = margins.greedy_gaps(whole, tokens, vocab_lib.EOS, banned=(vocab_lib.UNK,))
+  margins.assert_same_ids_with_margins(rows_tokens, tokens, gaps, error,
+                                       min_clear_rows=len(tokens))
 
   state = type('State', (), {'params': params})()
   metrics = task.evaluate(state, constants, config, model, 'val', str(tmp_path), batches=[batch],

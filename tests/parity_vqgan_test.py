@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+import margins  # tests/ is on the path (pytest's default import mode)
 from procap_jax.convert import common
 from procap_jax.convert import taming
 from procap_jax.convert import torch_files
@@ -84,8 +85,18 @@ def test_codes_equal_the_original(fixture, converted):
   codes = np.asarray(jax.jit(lambda v, x: model.apply(v, x, method='encode_tokens'))(
       variables, images))
   assert codes.shape == io['codes'].shape
-  differ = int((codes != io['codes']).sum())
-  assert differ == 0, f'{differ} of {codes.size} codes differ from the original'
+  # Two implementations: codes are equal where the nearest code wins by more than the
+  # encoder's float error can move the distances. That relative error, 16 ulps x sqrt(the
+  # longest sum, a 3x3 conv over the widest level) (tests/margins.py), is checked on the
+  # features (2e-6 measured on the committed fixture, whose codes all have such margins).
+  width = model.ch * max(model.ch_mult)
+  rel = margins.sum_tolerance(1.0, 9 * width, ulps=16)
+  features = jax.jit(lambda v, x: model.apply(v, x, method='encode_features'))(variables, images)
+  assert _relative_error(features, io['features']) <= rel
+  clear = margins.clear_codes(model, variables['params'], images, rel)
+  assert clear.mean() > 0.9, f'only {clear.mean():.1%} of the codes win by a margin'
+  differ = int((codes != io['codes'])[clear].sum())
+  assert differ == 0, f'{differ} of {clear.sum()} codes with margins differ from the original'
 
 
 def test_encoder_features_match_the_original(fixture, converted):

@@ -8,12 +8,16 @@ import numpy as np
 import optax
 import pytest
 
+import margins  # tests/ is on the path (pytest's default import mode)
 from procap_jax import config_lib
+from procap_jax import decoding
 from procap_jax import errors
 from procap_jax import sharding
 from procap_jax import train
 from procap_jax.data import pipeline
+from procap_jax.data import vocab as vocab_lib
 from procap_jax.diagnostics import stand_ins
+from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import vqgan
 from procap_jax.tasks import caption
 from procap_jax.tasks import encodings
@@ -216,19 +220,47 @@ def test_decoding_encodes_a_shared_before_once_and_writes_the_same_captions(tiny
   model = caption.build_model(config)
   params = nn.meta.unbox(caption.init_params(model, config, jax.random.key(4), batch))
   # larger weights than the init's, so that the untrained captioner's words depend on the pair
-  params = jax.tree.map(lambda x: x * 4.0, params)
+  # a decoder with larger weights than the init's, so that the untrained captioner's words
+  # depend on the pair (at the init's scale every pair gets the same caption); scaling the
+  # encoder too made it amplify a float rounding difference in the features ~1e5 times
+  params['decoder'] = jax.tree.map(lambda x: x * 4.0, params['decoder'])
   constants = {'tokenizer': stand_ins.random_tokenizer(config)}
   tokenizer = caption.vqgan_tokenizer(config)
   got = caption.generate(params, constants, config, model, batch['before'], batch['after'],
                          tokenizer)
   settings = config_lib.decoding_settings(config)
+  whole = {'before': batch['before'], 'after': batch['after']}
+  shared = {'before': batch['before'][0::2], 'after': batch['after']}
   compiled = caption._generate.lower(  # pylint: disable=protected-access
-      params, constants['tokenizer'], {'before': batch['before'][0::2],
-                                       'after': batch['after']},
-      model=model, tokenizer=tokenizer, **settings)
+      params, constants['tokenizer'], shared, model=model, tokenizer=tokenizer, **settings)
   assert compiled.out_info.shape == got.shape  # the shared form is the one generate calls
-  want = caption._generate(  # pylint: disable=protected-access
-      params, constants['tokenizer'], {'before': batch['before'], 'after': batch['after']},
-      model=model, tokenizer=tokenizer, **settings)
-  np.testing.assert_array_equal(got, np.asarray(want))
+  want = np.asarray(caption._generate(  # pylint: disable=protected-access
+      params, constants['tokenizer'], whole, model=model, tokenizer=tokenizer, **settings))
+
+  # Equal greedy ids from two programs need margins: each word's top-2 logit gap (teacher-forced
+  # on `want`, whole-batch features) above twice the float error of either program's logits.
+  # That error: the logits come through the decoder's layers, each a sum of up to ffn terms
+  # erring a few ulps x sqrt(ffn) of the logits' scale; 64 ulps covers the layers. Checked
+  # against the largest difference between that forward pass and the cached greedy decoding of
+  # the shared-before features, so a CPU whose rounding differs more fails here, not on a word.
+  @jax.jit
+  def logits(whole, shared, tokens):
+    fb, fa = encodings.pair_features(tokenizer, constants['tokenizer'], whole)
+    forward = model.apply({'params': params}, fb, fa, tokens[:, :-1])  # [B, L-1, V]
+    fb, fa = encodings.pair_features(tokenizer, constants['tokenizer'], shared)
+    cache = model.apply({'params': params}, captioner_lib.encode_memory(model, params, fb, fa),
+                        method='init_cache')
+    step = lambda c, t, p: model.apply({'params': params}, c, t, p, method='decode_step')
+    _, cached = decoding.greedy(step, cache, tokens.shape[0], max_len=tokens.shape[1],
+                                return_logits=True)  # [B, L-1, V]
+    return forward, cached
+
+  forward, cached = map(np.asarray, logits(whole, shared, jnp.asarray(want)))
+  gaps = margins.greedy_gaps(forward, want, vocab_lib.EOS, banned=(vocab_lib.UNK,))
+  error = margins.sum_tolerance(np.abs(forward).max(), config.caption.model.ffn, ulps=64)
+  assert np.all(gaps > -2 * error)  # `want`'s words are the forward pass's argmax
+  assert np.abs(cached - forward)[np.isfinite(gaps)].max() <= error
+  # all 16 rows have gaps above 2 * error (the smallest 0.013, 2 * error 0.008); a row whose
+  # margin another model would lose is compared up to its near-tie
+  margins.assert_same_ids_with_margins(got, want, gaps, error, min_clear_rows=12)
   assert len({tuple(r) for r in got}) > 1  # not one caption for every pair
