@@ -29,7 +29,7 @@ Ablation variants (comma-separated after the preset, e.g. `:default,static`):
                binary_inputs masked, no lr decay) on the synthetic data
 
 The field's baseline (variants too; alone, e.g. `:duda_patches`, they apply to the default):
-  duda_patches DUDA (Park et al., ICCV 2019) on a conv stem from pixels; stage 2 only
+  duda_patches DUDA (Park et al., ICCV 2019) on image patches from scratch; stage 2 only
   duda         DUDA on the frozen tokenizer's features; the tokenizer stage, then stage 2
 """
 
@@ -231,13 +231,13 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       # 2019; procap_jax/models/duda.py), with the settings below and dropout above.
       kind='procap',
       duda=dict(
-          input='pixels',              # 'pixels': a conv stem from scratch | 'features': tokenizer
-          stem_channels=(32, 64, 64),  # 3x3 convs (pixels only)
-          stem_strides=(2, 2, 1),      # 64 px -> a 16 x 16 grid
-          attention_hidden=128,        # the dual attention's conv width
-          feature_dim=256,             # the speaker's l_b, l_d, l_a width
-          embed=128,                   # word embedding
-          hidden=256,                  # both LSTMs
+          input='pixels',              # 'pixels': patches, from scratch | 'features': tokenizer
+          stem_patch=8,                # pixels: patch side (64 px -> an 8 x 8 grid)
+          stem_channels=(128, 128),    # pixels: dense layers over each patch
+          attention_hidden=128,        # the dual attention's 1x1 conv width
+          feature_dim=128,             # the speaker's l_b, l_d, l_a width
+          embed=64,                    # word embedding
+          hidden=128,                  # both LSTMs
       ),
   ))
   c.init_from_pretrain = True          # restore the encoder from the stage-1 checkpoint
@@ -380,8 +380,8 @@ def _set_k(config: ml_collections.ConfigDict, k: int) -> None:
 
 
 def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
-  """The DUDA baseline (docs/results.md, "DUDA baseline"): stage 2 only, a DUDA captioner on a
-  conv stem from pixels ('pixels': no tokenizer, no stage 1) or on the frozen tokenizer's
+  """The DUDA baseline (docs/results.md, "DUDA baseline"): stage 2 only, a DUDA captioner on
+  image patches ('pixels': no tokenizer, no stage 1) or on the frozen tokenizer's
   features ('features': the tokenizer stage first). The recipe is tuned on val only."""
   config.stages = ('caption',) if inputs == 'pixels' else ('tokenizer', 'caption')
   config.caption.model.kind = 'duda'
@@ -397,6 +397,6 @@ def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
   t.loss_reduction = 'mean'
   t.warmup_frac = 0.05
   if config.preset != 'tiny':
-    t.steps, t.batch_size = 1500, 64
-    t.eval_every = t.checkpoint_every = 250
+    t.steps, t.batch_size = 600, 32
+    t.eval_every = t.checkpoint_every = 150
     t.log_every = 50

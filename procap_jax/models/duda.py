@@ -5,7 +5,7 @@ Dimension legend: B batch, S image side, h x w feature grid, N = h*w, C feature 
 A attention hidden width, D speaker feature width, E word embedding width, H LSTM width,
 L caption length, V vocab.
 
-  before, after  [B, h, w, C]  features: the frozen tokenizer's, or a conv stem's from pixels
+  before, after  [B, h, w, C]  features: the frozen tokenizer's, or a patch stem's from pixels
   X_d = X_a - X_b
   a_b = softmax_N(conv([X_b; X_d])), a_a = softmax_N(conv([X_a; X_d]))   (one shared conv stack)
   l_b = sum_N a_b X_b, l_a = sum_N a_a X_a, l_d = l_a - l_b               [B, C] each
@@ -16,8 +16,8 @@ L caption length, V vocab.
 
 Departures from the original, which reads ResNet-101 features of 224 px images: the attention
 maps are a softmax over space (the original's sigmoid weights are not normalised); the speaker's
-attention LSTM also sees the previous word; a small conv stem trained from scratch can stand in
-for the ResNet (`stem` channels, `from_pixels`).
+attention LSTM also sees the previous word; a patch stem trained from scratch can stand in
+for the ResNet (`from_pixels`: dense layers over image patches).
 """
 
 from typing import Any, Sequence
@@ -31,18 +31,22 @@ from procap_jax import decoding
 from procap_jax.data import vocab as vocab_lib
 
 
-class ConvStem(nn.Module):
-  """A conv stack from pixels: images [B, S, S, 3] in [0, 1] -> [B, S/r, S/r, channels[-1]],
-  r = product of `strides`; 3x3 convs with ReLU, the same weights for before and after."""
+class PatchStem(nn.Module):
+  """Features from pixels: images [B, S, S, 3] in [0, 1] -> non-overlapping patch x patch
+  patches [B, S/patch, S/patch, patch*patch*3] -> dense layers with ReLU -> [B, h, w,
+  channels[-1]], the same weights for before and after. (A strided conv stem's backward pass is
+  several times slower on XLA:CPU; patches keep training within the CPU budget.)"""
+  patch: int
   channels: Sequence[int]
-  strides: Sequence[int]
 
   @nn.compact
   def __call__(self, images: jax.Array) -> jax.Array:
-    x = images - 0.5
-    for i, (ch, stride) in enumerate(zip(self.channels, self.strides)):
-      x = nn.Conv(ch, (3, 3), strides=(stride, stride), padding='SAME', name=f'conv_{i}')(x)
-      x = nn.relu(x)
+    b, s, _, c = images.shape
+    p, g = self.patch, images.shape[1] // self.patch
+    x = (images - 0.5).reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5)  # [B, g, g, p, p, 3]
+    x = x.reshape(b, g, g, p * p * c)  # [B, h, w, p*p*3]
+    for i, ch in enumerate(self.channels):
+      x = nn.relu(nn.Dense(ch, name=f'dense_{i}')(x))
     return x
 
 
@@ -62,7 +66,7 @@ class DualAttention(nn.Module):
     diff = after - before  # [B, h, w, C]
     both = jnp.concatenate([jnp.concatenate([before, diff], -1),
                             jnp.concatenate([after, diff], -1)], 0)  # [2B, h, w, 2C]
-    x = nn.Conv(self.hidden, (3, 3), padding='SAME', name='att_conv_0')(both)
+    x = nn.Conv(self.hidden, (1, 1), name='att_conv_0')(both)
     x = nn.relu(x)
     x = nn.Dropout(self.dropout, deterministic=not train)(x)
     x = nn.Conv(self.hidden, (1, 1), name='att_conv_1')(x)
@@ -102,8 +106,8 @@ class Duda(nn.Module):
   stem makes the grid), else feature grids [B, h, w, C]."""
   vocab_size: int
   from_pixels: bool
-  stem_channels: Sequence[int] = (32, 64, 64)
-  stem_strides: Sequence[int] = (2, 2, 1)
+  stem_patch: int = 4
+  stem_channels: Sequence[int] = (64, 64)
   attention_hidden: int = 128
   feature_dim: int = 256
   embed: int = 128
@@ -112,7 +116,7 @@ class Duda(nn.Module):
 
   def setup(self):
     if self.from_pixels:
-      self.stem = ConvStem(tuple(self.stem_channels), tuple(self.stem_strides))
+      self.stem = PatchStem(self.stem_patch, tuple(self.stem_channels))
     self.attention = DualAttention(self.attention_hidden, self.dropout)
     self.project = nn.Dense(self.feature_dim)
     self.word_embed = nn.Embed(self.vocab_size, self.embed)
@@ -174,8 +178,8 @@ def from_config(config: ml_collections.ConfigDict) -> Duda:
   """`Duda` from `config.caption.model.duda`, its dropout and vocabulary size."""
   d = config.caption.model.duda
   return Duda(vocab_size=int(config.caption.model.vocab_size),
-              from_pixels=d.input == 'pixels', stem_channels=tuple(d.stem_channels),
-              stem_strides=tuple(d.stem_strides), attention_hidden=int(d.attention_hidden),
+              from_pixels=d.input == 'pixels', stem_patch=int(d.stem_patch),
+              stem_channels=tuple(d.stem_channels), attention_hidden=int(d.attention_hidden),
               feature_dim=int(d.feature_dim), embed=int(d.embed), hidden=int(d.hidden),
               dropout=float(config.caption.model.dropout))
 

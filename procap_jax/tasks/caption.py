@@ -17,7 +17,7 @@ tests inject a fake one with `make_task(tokenizer_factory=...)`.
 
 `config.caption.model.kind='duda'` trains the field's baseline instead (`models/duda.py`) in the
 same pipeline (data, selection on val, test evaluation, results, report): on the tokenizer's
-features, or on the pixels through its own conv stem (`caption.model.duda.input`), with Adam.
+features, or on the pixels through its own patch stem (`caption.model.duda.input`), with Adam.
 """
 
 import functools
