@@ -27,6 +27,10 @@ Ablation variants (comma-separated after the preset, e.g. `:default,static`):
   oracle       keyframes from the renderer's true procedure instead of flow frames
   faithful     the paper presets' stage-1 switches (frame_difference none, embedding_std 1.0,
                binary_inputs masked, no lr decay) on the synthetic data
+
+The field's baseline (variants too; alone, e.g. `:duda_patches`, they apply to the default):
+  duda_patches DUDA (Park et al., ICCV 2019) on image patches from scratch; stage 2 only
+  duda         DUDA on the frozen tokenizer's features; the tokenizer stage, then stage 2
 """
 
 import ml_collections
@@ -223,6 +227,18 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
       stage2_mask='code',              # 'code': original off-by-one [ST1]/[VID] rows | 'aligned'
       use_queries=True,                # False: static baseline memory (before/after only)
       vocab_size=0,                    # 0 -> taken from the caption vocabulary at build time
+      # 'procap' (the settings above) | 'duda': the field's baseline, DUDA (Park et al., ICCV
+      # 2019; procap_jax/models/duda.py), with the settings below and dropout above.
+      kind='procap',
+      duda=dict(
+          input='pixels',              # 'pixels': patches, from scratch | 'features': tokenizer
+          stem_patch=8,                # pixels: patch side (64 px -> an 8 x 8 grid)
+          stem_channels=(128, 128),    # pixels: dense layers over each patch
+          attention_hidden=128,        # the dual attention's 1x1 conv width
+          feature_dim=128,             # the speaker's l_b, l_d, l_a width
+          embed=64,                    # word embedding
+          hidden=128,                  # both LSTMs
+      ),
   ))
   c.init_from_pretrain = True          # restore the encoder from the stage-1 checkpoint
   c.init_from = ''                     # a released ProCap stage-2 checkpoint (whole captioner)
@@ -346,6 +362,8 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
     _set_k(config, int(variant[1]))
   elif variant == 'oracle':
     config.data.frame_source = 'oracle'
+  elif variant in ('duda_patches', 'duda'):
+    _set_duda(config, 'pixels' if variant == 'duda_patches' else 'features')
   elif variant == 'faithful':
     # The paper presets' stage-1 switches (configs/real_common.py) on the synthetic data, at
     # the preset's budget: what each departure of the default buys, measured (issue 24's row).
@@ -357,8 +375,32 @@ def _apply_variant(config: ml_collections.ConfigDict, variant: str) -> None:
     raise ValueError(f'unknown config variant {variant!r}: the presets are tiny, quick, default, '
                      'large, ablation (first, e.g. configs/synthetic.py:quick) and the ablation '
                      'variants, after a preset, static, no_queries, no_stage1, k1, k2, k4, '
-                     'oracle, faithful (e.g. :default,static)')
+                     'oracle, faithful, and the DUDA baseline duda_patches, duda (e.g. '
+                     ':default,static)')
 
 
 def _set_k(config: ml_collections.ConfigDict, k: int) -> None:
   config.data.num_keyframes = k
+
+
+def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
+  """The DUDA baseline (docs/results.md, "DUDA baseline"): stage 2 only, a DUDA captioner on
+  image patches ('pixels': no tokenizer, no stage 1) or on the frozen tokenizer's
+  features ('features': the tokenizer stage first). The recipe is tuned on val only."""
+  config.stages = ('caption',) if inputs == 'pixels' else ('tokenizer', 'caption')
+  config.caption.model.kind = 'duda'
+  config.caption.model.duda.input = inputs
+  config.caption.init_from_pretrain = False
+  config.data.sampler = 'uniform'      # DUDA reads before and after only: no scores file
+  if inputs == 'pixels':
+    config.data.feature_cache = False  # nothing to cache without a tokenizer
+  t = config.caption.train
+  t.lr = 1e-3                          # Adam (optax.adamw), warmup then linear decay to 0
+  t.weight_decay = 0.0
+  t.label_smoothing = 0.0
+  t.loss_reduction = 'mean'
+  t.warmup_frac = 0.05
+  if config.preset != 'tiny':
+    t.steps, t.batch_size = 600, 32
+    t.eval_every = t.checkpoint_every = 150
+    t.log_every = 50

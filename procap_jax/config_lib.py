@@ -26,6 +26,8 @@ _CHOICES = {
     'caption.model.layernorm': ('unbiased_std', 'standard'),
     'caption.model.text_slot': ('code', 'padding', 'none'),
     'caption.model.stage2_mask': ('code', 'aligned'),
+    'caption.model.kind': ('procap', 'duda'),
+    'caption.model.duda.input': ('pixels', 'features'),
     'caption.decoding.method': ('greedy', 'beam'),
     'caption.train.loss_reduction': ('sum', 'mean'),
     'pretrain.csy_normalisation': ('code', 'mean'),
@@ -102,6 +104,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '
                            f'between 0 (no decay) and the {pt.steps} training steps')
+
+
+def caption_kind(config: ml_collections.ConfigDict) -> str:
+  """'procap' | 'duda': the captioner of stage 2 ('procap' for a run saved before the switch)."""
+  return config.caption.model.get('kind', 'procap')
+
+
+def reads_tokenizer(config: ml_collections.ConfigDict) -> bool:
+  """Whether stage 2 reads the frozen tokenizer (all but DUDA on pixels)."""
+  return not (caption_kind(config) == 'duda' and config.caption.model.duda.input == 'pixels')
 
 
 def decoding_settings(config: ml_collections.ConfigDict) -> dict:

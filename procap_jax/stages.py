@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from procap_jax import checkpointing
+from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import evaluation
 from procap_jax import semantic_scores
@@ -126,7 +127,10 @@ def _inputs_of(config, stage: str) -> tuple[str, ...]:
   if stage == 'pretrain':
     return ('tokenizer',)
   if stage == 'caption':
-    from_stage1 = config.caption.init_from_pretrain and not config.caption.init_from
+    if not config_lib.reads_tokenizer(config):  # DUDA from pixels
+      return ()
+    from_stage1 = (config.caption.init_from_pretrain and not config.caption.init_from
+                   and config_lib.caption_kind(config) == 'procap')
     return ('tokenizer', 'pretrain') if from_stage1 else ('tokenizer',)
   return ()
 
@@ -186,9 +190,9 @@ def run_all(config, workdir: str) -> dict:
     return np.clip(np.rint(frames * 255), 0, 255).astype(np.uint8)
 
   from procap_jax import report
-  # Without procedure queries (static / no-queries variants) there is nothing to imagine.
-  report.write_report(config, workdir, results,
-                      imagine_fn=imagine_fn if config.caption.model.use_queries else None)
+  # Without procedure queries (static / no-queries variants, DUDA) there is nothing to imagine.
+  imagines = config.caption.model.use_queries and config_lib.caption_kind(config) == 'procap'
+  report.write_report(config, workdir, results, imagine_fn=imagine_fn if imagines else None)
   print(f'wrote {results_path} and {os.path.join(workdir, "report.html")}', flush=True)
   return results
 

@@ -14,6 +14,10 @@ departure from the original and its switch.
 
 The frozen tokenizer is reached through a small adapter (`encode_features`, `decode_tokens`), so
 tests inject a fake one with `make_task(tokenizer_factory=...)`.
+
+`config.caption.model.kind='duda'` trains the field's baseline instead (`models/duda.py`) in the
+same pipeline (data, selection on val, test evaluation, results, report): on the tokenizer's
+features, or on the pixels through its own patch stem (`caption.model.duda.input`), with Adam.
 """
 
 import functools
@@ -39,6 +43,7 @@ from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
+from procap_jax.models import duda as duda_lib
 from procap_jax.models import vqgan
 from procap_jax.tasks import caption_optimizer
 from procap_jax.tasks import encodings
@@ -61,8 +66,9 @@ def vqgan_tokenizer(config: ml_collections.ConfigDict) -> vqgan.Frozen:
 # ----------------------------------------------------------------------------- model and params
 
 
-def build_model(config: ml_collections.ConfigDict) -> captioner_lib.Captioner:
-  """The Captioner of `config.caption.model` around `ProcedureEncoder(**config.pretrain.model)`.
+def build_model(config: ml_collections.ConfigDict) -> nn.Module:
+  """The Captioner of `config.caption.model` around `ProcedureEncoder(**config.pretrain.model)`,
+  or DUDA (`caption.model.kind='duda'`).
 
   Without procedure queries the encoder has T = 2 frame slots (before, after).
   """
@@ -70,7 +76,22 @@ def build_model(config: ml_collections.ConfigDict) -> captioner_lib.Captioner:
   if m.vocab_size <= 0:
     raise ValueError('config.caption.model.vocab_size must be set (the caption vocabulary size) '
                      'before the captioner is built')
+  if config_lib.caption_kind(config) == 'duda':
+    return duda_lib.from_config(config)
   return captioner_lib.from_config(config)
+
+
+def pair_inputs(model: nn.Module, tokenizer: FrozenTokenizer, tokenizer_params: Any,
+                batch: dict) -> tuple[jax.Array, jax.Array]:
+  """The captioner's before/after inputs: frozen features [B, h, w, C] each
+  (`encodings.pair_features`), or for DUDA on pixels the images [B, S, S, 3] in [0, 1] (a
+  `share_before` batch's halved `before` repeated to rows 2i and 2i + 1)."""
+  if not (isinstance(model, duda_lib.Duda) and model.from_pixels):
+    return encodings.pair_features(tokenizer, tokenizer_params, batch)
+  before, after = jnp.asarray(batch['before']), jnp.asarray(batch['after'])
+  if before.shape[0] != after.shape[0]:
+    before = jnp.repeat(before, 2, axis=0)
+  return encodings.images01(before), encodings.images01(after)
 
 
 def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDict,
@@ -86,8 +107,12 @@ def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDic
   """
   gh, gw = config.pretrain.model.grid
   feats = jnp.zeros([1, gh, gw, config.pretrain.model.feature_dim], jnp.float32)
+  if isinstance(model, duda_lib.Duda) and model.from_pixels:
+    feats = jnp.zeros([1, config.data.image_size, config.data.image_size, 3], jnp.float32)
   tokens = jnp.asarray(batch['caption_in'][:1], jnp.int32)
   params = model.init(rng, feats, feats, tokens)['params']
+  if config_lib.caption_kind(config) == 'duda':
+    return params
   if config.caption.init_from_pretrain and workdir is not None:
     params = restore_pretrained_encoder(params, workdir)
   return params
@@ -97,6 +122,8 @@ def restore_init(params: Any, config: ml_collections.ConfigDict, workdir: str) -
   """The trainer's hook after a fresh init: the whole captioner from `caption.init_from` (a
   released ProCap stage-2 checkpoint) when set, else the stage-1 encoder when
   `init_from_pretrain`."""
+  if config_lib.caption_kind(config) == 'duda':
+    return params
   if config.caption.init_from:
     return convert_init.restore('caption', params, config)
   if not config.caption.init_from_pretrain:
@@ -149,8 +176,10 @@ def restore_pretrained_encoder(params: Any, workdir: str) -> Any:
 
 
 def load_constants(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """The frozen tokenizer parameters of the finished tokenizer stage."""
-  del config
+  """The frozen tokenizer parameters of the finished tokenizer stage ({} for DUDA on pixels,
+  which reads no tokenizer)."""
+  if not config_lib.reads_tokenizer(config):
+    return {'tokenizer': {}}
   return {'tokenizer': checkpointing.load_stage_variables(workdir, 'tokenizer')['params']}
 
 
@@ -215,7 +244,7 @@ def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
   """(loss, metrics) of a training batch; loss is the summed KL ('sum') or per word ('mean').
 
   The before/after features come from the feature cache when the batch carries it."""
-  before, after = encodings.pair_features(tokenizer, tokenizer_params, batch)
+  before, after = pair_inputs(model, tokenizer, tokenizer_params, batch)
   tokens = jnp.asarray(batch['caption_in'], jnp.int32)
   labels = _batch_labels(batch)
   logits = model.apply({'params': params}, before, after, tokens, train=True,
@@ -241,7 +270,7 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   Returns:
     ((loss, metrics as `batch_loss`), gradients like `params`).
   """
-  before, after = encodings.pair_features(tokenizer, tokenizer_params, batch)
+  before, after = pair_inputs(model, tokenizer, tokenizer_params, batch)
   tokens = jnp.asarray(batch['caption_in'], jnp.int32)
   m = micro_batches
   labels = _batch_labels(batch)
@@ -277,7 +306,9 @@ def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Arr
 @functools.partial(jax.jit, static_argnames=('model', 'tokenizer', 'method', 'beam_size',
                                              'alpha', 'max_len', 'encode_rows'))
 def _generate(params, tokenizer_params, pair, *, model, tokenizer, **settings):
-  feats_b, feats_a = encodings.pair_features(tokenizer, tokenizer_params, pair)
+  feats_b, feats_a = pair_inputs(model, tokenizer, tokenizer_params, pair)
+  if isinstance(model, duda_lib.Duda):
+    return duda_lib.generate(model, params, feats_b, feats_a, **settings)  # [B, L]
   return captioner_lib.generate(model, params, feats_b, feats_a, **settings)  # [B, L]
 
 

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from procap_jax import config_lib
+
 # Stage-1 heads the original freezes in stage 2 (its `skip_params`), and image_emb.
 FROZEN_ENCODER_MODULES = ('to_logits', 'to_logits_rel', 'to_logits_vid', 'image_emb')
 
@@ -100,9 +102,15 @@ def param_labels(params: Any) -> Any:
 def make_optimizer(config: ml_collections.ConfigDict,
                    total_steps: int) -> optax.GradientTransformation:
   """Global-norm clip, then BertAdam per group: encoder at lr_encoder, memory MLP and decoder
-  at lr, the stage-1 heads frozen. t_total = total_steps * t_total_factor."""
+  at lr, the stage-1 heads frozen. t_total = total_steps * t_total_factor.
+
+  DUDA (`caption.model.kind='duda'`): global-norm clip, then Adam (bias-corrected, decoupled
+  decay `weight_decay`) at `lr` on the same warmup_linear schedule."""
   t = config.caption.train
   t_total = max(1, int(round(total_steps * t.t_total_factor)))
+  if config_lib.caption_kind(config) == 'duda':
+    return optax.chain(optax.clip_by_global_norm(t.clip), optax.adamw(
+        warmup_linear(t.lr, t_total, t.warmup_frac), weight_decay=t.weight_decay))
 
   def group(lr):
     return bert_adam(warmup_linear(lr, t_total, t.warmup_frac), weight_decay=t.weight_decay)
