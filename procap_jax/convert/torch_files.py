@@ -7,7 +7,7 @@ Accepted:
     storage read it once. float16 / bfloat16 (ml_dtypes) / float32 / float64 / integer / bool.
   - TorchScript archives (`torch.jit.save`, e.g. OpenAI CLIP's `ViT-B-32.pt`): the module tree is
     in `<root>/data.pkl` as objects of `__torch__.*` classes whose attributes hold the parameters.
-  - safetensors files (the header's JSON, then raw little-endian data).
+  - safetensors files (the header's JSON, then raw little-endian data; `safetensors_files`).
 Refused with one sentence: legacy (pre-1.6, non-zip) torch files, other pickles, anything else.
 
 Checks: each tensor's shape, strides and offset against its storage's size, and each storage's
@@ -27,11 +27,9 @@ Typical use: `state_dict(path)` -> `{'encoder.conv_in.weight': np.ndarray, ...}`
 
 import collections
 import io
-import json
 import math
 import os
 import pickle
-import struct
 import sys
 import zipfile
 from typing import Any, Mapping
@@ -40,6 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from procap_jax import errors
+from procap_jax.convert import safetensors_files
 
 # torch storage class name -> numpy dtype (torch.<Name>Storage, as `torch.save` pickles them).
 _STORAGE_DTYPES = {
@@ -52,9 +51,6 @@ _STORAGE_DTYPES = {
 _DTYPE_NAMES = {'float64': np.float64, 'float32': np.float32, 'float16': np.float16,
                 'bfloat16': ml_dtypes.bfloat16, 'int64': np.int64, 'int32': np.int32,
                 'int16': np.int16, 'int8': np.int8, 'uint8': np.uint8, 'bool': np.bool_}
-_SAFETENSORS_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
-                       'BF16': ml_dtypes.bfloat16, 'I64': np.int64, 'I32': np.int32,
-                       'I16': np.int16, 'I8': np.int8, 'U8': np.uint8, 'BOOL': np.bool_}
 _LEGACY_MAGIC = b'\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19'  # pickled 0x1950a86a20f9469cfc6c
 ACCEPTED = ('a torch.save zip archive (.pt/.pth/.ckpt, torch >= 1.6), a TorchScript archive '
             '(torch.jit.save, e.g. OpenAI CLIP ViT-B-32.pt) or a safetensors file')
@@ -67,8 +63,8 @@ MIN_EXPANSION_LIMIT = 1 << 24
 STATE_KEYS = ('state_dict', 'model', 'weights', 'module', 'model_state_dict', 'net', 'params')
 
 
-class FormatError(errors.UserError):
-  """The file is not a weight file this reader accepts (one sentence)."""
+# The file is not a weight file this reader accepts (one sentence); one class for both formats.
+FormatError = safetensors_files.FormatError
 
 
 class Opaque:
@@ -342,46 +338,6 @@ def _read_zip(path: str, max_expansion: float | None = None) -> tuple[Any, bool,
   return obj, torchscript, unpickler.foreign
 
 
-def _read_safetensors(path: str, max_expansion: float | None = None) -> dict[str, np.ndarray]:
-  """The tensors of a safetensors file, each checked to lie inside the file."""
-  with open(path, 'rb') as f:
-    raw = f.read()
-  if len(raw) < 8:
-    raise FormatError(f'{path} is a truncated safetensors file ({len(raw)} bytes)')
-  (n,) = struct.unpack('<Q', raw[:8])
-  if 8 + n > len(raw):
-    raise FormatError(f'{path}: its safetensors header claims {n} bytes, the file holds '
-                      f'{len(raw) - 8} after the length; it is truncated')
-  try:
-    header = json.loads(raw[8:8 + n])
-  except ValueError:
-    raise FormatError(f'{path} has a damaged safetensors header') from None
-  if not isinstance(header, dict):
-    raise FormatError(f'{path} has a damaged safetensors header (not a JSON object)')
-  body, out = raw[8 + n:], {}
-  for name, spec in header.items():
-    if name == '__metadata__':
-      continue
-    if not isinstance(spec, dict) or spec.get('dtype') not in _SAFETENSORS_DTYPES:
-      raise FormatError(f'{path}: tensor {name!r:.60} has dtype '
-                        f'{spec.get("dtype") if isinstance(spec, dict) else None!r:.20}, which '
-                        f'this reader does not know ({", ".join(_SAFETENSORS_DTYPES)})')
-    offsets, shape = spec.get('data_offsets'), spec.get('shape')
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
-            and isinstance(shape, list) and all(map(_is_int, shape))
-            and min(shape, default=0) >= 0 and 0 <= offsets[0] <= offsets[1]):
-      raise FormatError(f'{path}: tensor {name!r:.60} has a malformed shape or data_offsets')
-    start, end = offsets
-    dtype = np.dtype(_SAFETENSORS_DTYPES[spec['dtype']])
-    claimed = dtype.itemsize * math.prod(shape)
-    if end > len(body) or (end - start) != claimed:
-      raise FormatError(f'{path}: tensor {name!r:.60} of shape {tuple(shape)} claims {claimed} '
-                        f'bytes, holds {max(0, min(end, len(body)) - start)}; the file is '
-                        'truncated or damaged')
-    out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape).copy()
-  return out
-
-
 def _names(foreign: list[str]) -> str:
   return ', '.join(foreign[:6]) + (f' and {len(foreign) - 6} more' if len(foreign) > 6 else '')
 
@@ -413,7 +369,7 @@ def load(path: str, *, strict: bool = False, max_expansion: float | None = None)
   `state` dict holds the attributes (submodules, parameters). strict and max_expansion: see
   `state_dict`."""
   if _kind(path) == 'safetensors':
-    return _read_safetensors(path, max_expansion)
+    return safetensors_files.read(path)
   obj, _, foreign = _read_zip(path, max_expansion)
   _refuse_if_strict(path, foreign, strict)
   warn_foreign(path, foreign)
@@ -473,7 +429,7 @@ def state_dict(path: str, key: str | None = None, *, strict: bool = False,
   """
   foreign = []
   if _kind(path) == 'safetensors':
-    flat = _read_safetensors(path, max_expansion)
+    flat = safetensors_files.read(path)
   else:
     obj, torchscript, foreign = _read_zip(path, max_expansion)
     _refuse_if_strict(path, foreign, strict)
