@@ -168,22 +168,32 @@ def _cell(values, scale: float = 100.0) -> str:
   return f'{np.nanmean(vals):.1f} ± {np.nanstd(vals):.1f}' if len(vals) > 1 else f'{vals[0]:.1f}'
 
 
+# A metric read from runs whose results.json predates it: the older metric with its meaning
+# (the semantic decision counts "no change" as `change_decision` does).
+_OLDER_NAME = {'semantic/decision': 'change_decision'}
+# (column, metric) after METRICS in the main table; semantic scores: procap_jax/semantic_scores.py.
+_TABLE_COLUMNS = (('CIDEr change pairs', 'change/CIDEr'),
+                  ('change / no-change decision %', 'semantic/decision'),
+                  ('change type %', 'semantic/type'),
+                  ('all named attributes %', 'semantic/attributes'),
+                  ('CIDEr no-change', 'no_change/CIDEr'))
+
+
 def _metric(runs: list[dict], name: str) -> list[float]:
-  return [r['metrics'].get(name, np.nan) for r in runs]
+  return [r['metrics'].get(name, r['metrics'].get(_OLDER_NAME.get(name), np.nan)) for r in runs]
 
 
 def table(all_results: dict[str, list[dict]]) -> str:
   """The main table: one row per variant, mean ± std over seeds (x 100)."""
-  lines = ['| variant | seeds | ' + ' | '.join(METRICS) + ' | change / no-change decision % '
-           '| CIDEr change | CIDEr no-change | distinct test captions per seed '
+  lines = ['| variant | seeds | ' + ' | '.join(METRICS) + ' | ' +
+           ' | '.join(c for c, _ in _TABLE_COLUMNS) + ' | distinct test captions per seed '
            '| paper CLEVR-Change CIDEr |',
-           '|---' * (len(METRICS) + 7) + '|']
+           '|---' * (len(METRICS) + len(_TABLE_COLUMNS) + 4) + '|']
   for variant in VARIANTS:
     runs = all_results.get(variant) or []
     if not runs:
       continue
-    cells = [_cell(_metric(runs, m)) for m in
-             METRICS + ('change_decision', 'change/CIDEr', 'no_change/CIDEr')]
+    cells = [_cell(_metric(runs, m)) for m in METRICS + tuple(m for _, m in _TABLE_COLUMNS)]
     distinct = ', '.join(str(r.get('distinct_captions', '?')) for r in runs)
     lines.append(f'| {LABELS[variant]} | {len(runs)} | ' + ' | '.join(cells) +
                  f' | {distinct} | {PAPER.get(variant, "n/a")} |')

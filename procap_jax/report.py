@@ -21,6 +21,7 @@ from PIL import Image  # noqa: E402
 from pycocoevalcap.cider import cider  # noqa: E402
 
 from procap_jax import errors  # noqa: E402
+from procap_jax import semantic_scores  # noqa: E402
 from procap_jax.data import pipeline  # noqa: E402
 
 _METRICS = ('Bleu_1', 'Bleu_2', 'Bleu_3', 'Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr', 'SPICE')
@@ -120,6 +121,55 @@ def metrics_table(metrics: dict) -> str:
   return '<table>' + ''.join(rows) + '</table><p>Scores x 100 (COCO caption metrics).</p>'
 
 
+# (column, metric name in `semantic/<group>/<name>`, or a CIDEr key) of the semantic table.
+_SEMANTIC_COLUMNS = (
+    ('decision', 'decision'), ('type', 'type'), ('all named attributes', 'attributes'),
+    ('size', 'size'), ('colour', 'color'), ('material', 'material'), ('shape', 'shape'),
+    ('new value', 'new_value'), ('right', 'right'), ('missed change', 'missed_change'),
+    ('invented change', 'invented_change'), ('wrong type', 'wrong_type'),
+    ('wrong object', 'wrong_object'), ('wrong value', 'wrong_value'))
+
+
+def _percent(value) -> str:
+  return f'<td>{100 * value:.1f}</td>' if isinstance(value, (int, float)) else '<td></td>'
+
+
+def semantic_table(metrics: dict) -> str:
+  """Per true change type: CIDEr of the type's pairs alone, then the semantic scores
+  (`semantic_scores`); the first row is all pairs, with the change pairs' CIDEr."""
+  head = ['group', 'CIDEr', 'CIDEr, change pairs'] + [c for c, _ in _SEMANTIC_COLUMNS]
+  rows = ['<tr>' + ''.join(f'<th>{html.escape(h)}</th>' for h in head) + '</tr>']
+  for group in ('all', semantic_scores.NONE) + semantic_scores.CHANGE_TYPES:
+    prefix = 'semantic/' if group == 'all' else f'semantic/{group}/'
+    if not any(k.startswith(prefix) for k in metrics):
+      continue
+    cider = metrics.get('CIDEr' if group == 'all' else f'{group}/CIDEr')
+    change = metrics.get('change/CIDEr') if group == 'all' else None
+    rows.append(f'<tr><td>{html.escape(group)}</td>{_percent(cider)}{_percent(change)}' +
+                ''.join(_percent(metrics.get(prefix + n)) for _, n in _SEMANTIC_COLUMNS) +
+                '</tr>')
+  return ('<table>' + ''.join(rows) + '</table><p>Per true change type, x 100. CIDEr is scored '
+          'on the group\'s pairs alone. Decision: change / no-change said right; type, all '
+          'named attributes: over change pairs; an attribute: over the change pairs whose '
+          'caption names it; new value: colour and material changes; the error classes share '
+          'out the pairs (procap_jax/semantic_scores.py).</p>')
+
+
+def reference_table(metrics: dict, reference_rows: dict) -> str:
+  """This run beside captioners that need no model (`semantic_scores.reference_rows`)."""
+  cols = (('CIDEr', 'CIDEr'), ('CIDEr, change pairs', 'change/CIDEr'),
+          ('decision', 'semantic/decision'), ('type', 'semantic/type'),
+          ('all named attributes', 'semantic/attributes'))
+  rows = ['<tr><th>captioner</th>' + ''.join(f'<th>{c}</th>' for c, _ in cols) + '</tr>']
+  entries = [('this run', metrics)] + [(f'{name}: {row["captioner"]}', row['metrics'])
+                                       for name, row in reference_rows.items()]
+  for label, m in entries:
+    rows.append(f'<tr><td style="text-align:left">{html.escape(label)}</td>' +
+                ''.join(_percent(m.get(k)) for _, k in cols) + '</tr>')
+  return ('<table>' + ''.join(rows) + '</table><p>The same scorers on the same pairs, x 100.'
+          '</p>')
+
+
 def sentence_cider(predictions: dict, references: dict) -> dict[str, float]:
   """Per-pair CIDEr-D (whitespace tokens, lower case) to rank the gallery."""
   ids = sorted(predictions)
@@ -150,28 +200,45 @@ def write_report(config, workdir: str, results: dict, imagine_fn=None) -> str:
            f'{results.get("checkpoint_step")}). Config preset {html.escape(str(config.preset))}'
            f'{", variant " + html.escape(config.variant) if config.variant else ""}.</p>',
            '<h2>Metrics</h2>', metrics_table(results['metrics'])]
+  if any(k.startswith('semantic/') for k in results['metrics']):
+    parts += ['<h2>Semantic scores</h2>', semantic_table(results['metrics'])]
+  if results.get('reference_rows'):
+    parts += ['<h2>Reference rows</h2>', reference_table(results['metrics'],
+                                                         results['reference_rows'])]
   parts.append('<h2>Training curves</h2>')
   for stage, path in curves.items():
     with open(path, 'rb') as f:
       parts.append(f'<h3>{stage}</h3><img src="data:image/png;base64,'
                    f'{base64.b64encode(f.read()).decode("ascii")}">')
   parts.append(_gallery(config, workdir, imagine_fn))
+  if semantic_scores.applies(config):
+    parts.append(_error_gallery(config, workdir))
   parts.append('</body></html>')
   path = os.path.join(workdir, 'report.html')
   errors.write_text_atomic(path, '\n'.join(parts))
   return path
 
 
-def _gallery(config, workdir: str, imagine_fn) -> str:
+def _test_predictions(config, workdir: str):
+  """(predictions, split info, pair id -> (record index, record), references) of the test
+  split's saved predictions, or None when there are none."""
   pred_path = os.path.join(workdir, 'caption', 'predictions_test.json')
   if not os.path.exists(pred_path):
-    return '<p>No test predictions.</p>'
+    return None
   with open(pred_path, encoding='utf-8') as f:
     predictions = {str(r['image_id']): r['caption'] for r in json.load(f)}
   info = pipeline.load_split_info(config, 'test', workdir)
   by_id = {r['pair_id']: (i, r) for i, r in enumerate(info)}
   references = {p: by_id[p][1]['captions'] for p in predictions if p in by_id}
   predictions = {p: c for p, c in predictions.items() if p in references}
+  return predictions, info, by_id, references
+
+
+def _gallery(config, workdir: str, imagine_fn) -> str:
+  loaded = _test_predictions(config, workdir)
+  if loaded is None:
+    return '<p>No test predictions.</p>'
+  predictions, info, by_id, references = loaded
   scores = sentence_cider(predictions, references)
   per = int(config.report.gallery_per_type)
   chosen = []
@@ -207,6 +274,46 @@ def _gallery(config, workdir: str, imagine_fn) -> str:
                f'<b>{html.escape(pid)}</b> ({kind}, CIDEr {scores[pid]:.2f}) '
                f'<b>generated:</b> {html.escape(predictions[pid])}<br><b>references:</b> {refs}'
                '</div></div>')
+  return '\n'.join(out)
+
+
+def _error_gallery(config, workdir: str) -> str:
+  """One row per error class of `semantic_scores.error_class` (missed change, invented
+  change, wrong type, wrong object, wrong value): its first test pairs in record order, with
+  before, after, the generated caption, what happened and the references."""
+  loaded = _test_predictions(config, workdir)
+  if loaded is None:
+    return ''
+  predictions, info, by_id, references = loaded
+  truths = semantic_scores.split_truths([by_id[p][1] for p in predictions])
+  _, classes = semantic_scores.score(predictions, truths)
+  per = int(config.report.gallery_per_type)
+  ordered = sorted(predictions, key=lambda p: by_id[p][0])
+  counts = {c: sum(classes[p] == c for p in ordered) for c in semantic_scores.ERROR_CLASSES}
+  chosen = [(c, p) for c in semantic_scores.ERROR_CLASSES[1:]
+            for p in [p for p in ordered if classes[p] == c][:per]]
+  out = ['<h2>Gallery by error class (test pairs)</h2>',
+         '<p>Per error class (procap_jax/semantic_scores.py) its first pairs in record order: '
+         'before | after. Pairs per class: ' + ', '.join(
+             f'{c.replace("_", " ")} {n}' for c, n in counts.items()) + '.</p>']
+  if not chosen:
+    return '\n'.join(out + ['<p>No test pair is in an error class.</p>'])
+  batch = _batch_for(config, workdir, [by_id[p][0] for _, p in chosen])
+  current = None
+  for row, (cls, pid) in enumerate(chosen):
+    if cls != current:
+      out.append(f'<h3>{html.escape(cls.replace("_", " "))}</h3>')
+      current = cls
+    truth = truths[pid]
+    what = truth.type if truth.type == 'none' else ' '.join(
+        [truth.type, 'of the'] + [truth.object[a] for a in semantic_scores.ATTRIBUTES] +
+        ([f'to {truth.new}'] if truth.new else []))
+    cells = ''.join(f'<img title="{t}" src="data:image/png;base64,{_png(batch[t][row])}">'
+                    for t in ('before', 'after'))
+    refs = '; '.join(html.escape(r) for r in references[pid][:3])
+    out.append(f'<div class="pair"><div>{cells}</div><div class="cap"><b>{html.escape(pid)}'
+               f'</b> <b>truth:</b> {html.escape(what)} <b>generated:</b> '
+               f'{html.escape(predictions[pid])}<br><b>references:</b> {refs}</div></div>')
   return '\n'.join(out)
 
 

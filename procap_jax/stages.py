@@ -16,6 +16,8 @@ import numpy as np
 from procap_jax import checkpointing
 from procap_jax import config_lib
 from procap_jax import errors
+from procap_jax import evaluation
+from procap_jax import semantic_scores
 from procap_jax import train
 from procap_jax.data import datasets
 from procap_jax.data import feature_cache
@@ -223,6 +225,7 @@ def current_results(config, workdir: str) -> dict | None:
     return None
   current = (all(results.get(k) == v for k, v in made_from.items())
              and results.get('split') == 'test'
+             and ('reference_rows' in results or not semantic_scores.applies(config))
              and os.path.exists(os.path.join(workdir, 'report.html')))
   return results if current else None
 
@@ -288,9 +291,20 @@ def evaluate_caption(config, workdir: str, split: str, which: str, restored=None
       'pretrain_test': _read_json(pretrain_test_path(workdir)),
       **_results_provenance(config, workdir),
   }
+  if semantic_scores.applies(config):
+    results['reference_rows'] = reference_rows(config, workdir, split)
   print(json.dumps({'split': split, **{k: round(v, 4) for k, v in results['metrics'].items()
                                        if '/' not in k}}), flush=True)
   return results
+
+
+def reference_rows(config, workdir: str, split: str) -> dict:
+  """`semantic_scores.reference_rows` on the pairs of `split` the caption stage predicted
+  (`caption/predictions_<split>.json`; all pairs of the split when there is no such file)."""
+  info = pipeline.load_split_info(config, split, workdir)
+  path = os.path.join(workdir, 'caption', f'predictions_{split}.json')
+  ids = list(evaluation.read_results(path)) if os.path.exists(path) else None
+  return semantic_scores.reference_rows(info, ids)
 
 
 def _read_json(path: str):

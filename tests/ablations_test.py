@@ -107,3 +107,20 @@ def test_report_only_reads_finished_runs_and_names_the_missing(tmp_path):
   k2_row = next(r for r in text.splitlines() if r.startswith('| full, k = 2'))
   assert '| 2 |' in k2_row and '60.0 ± 10.0' in k2_row and '| 2, 2 |' in k2_row
   assert not (root / 'static_s1').exists()  # nothing trained
+
+
+def test_semantic_columns_beside_cider():
+  runs = [_run(0.4, 0.6, decision=0.6), _run(0.6, 0.8, seed=1, decision=0.7)]
+  for r, (decision, kind, attrs) in zip(runs, ((0.9, 0.8, 0.5), (0.7, 0.6, 0.3))):
+    r['metrics'].update({'semantic/decision': decision, 'semantic/type': kind,
+                         'semantic/attributes': attrs})
+  text = ablations.table({'k2': runs})
+  header, row = text.splitlines()[0], text.splitlines()[2]
+  cells = [c.strip() for c in row.split('|')[1:-1]]
+  names = [c.strip() for c in header.split('|')[1:-1]]
+  assert len(cells) == len(names)
+  got = dict(zip(names, cells))
+  assert got['CIDEr'] == '50.0 ± 10.0' and got['CIDEr change pairs'] == '70.0 ± 10.0'
+  # The semantic decision, not the older change_decision (60, 70), when a run has both.
+  assert got['change / no-change decision %'] == '80.0 ± 10.0'
+  assert got['change type %'] == '70.0 ± 10.0' and got['all named attributes %'] == '40.0 ± 10.0'

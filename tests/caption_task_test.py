@@ -271,8 +271,12 @@ def _toy_data(n: int = 8):
            'caption_in': np.stack([vocab.encode_decoder(CAPTIONS[t]) for t in types]),
            'change_type': types, 'example_index': np.arange(n, dtype=np.int32),
            'valid': np.ones(n, bool)}
+  truth = {1: {'type': 'color', 'to': 'red', 'object': {'size': 'small', 'color': 'blue',
+                                                         'material': 'metal', 'shape': 'cube'}},
+           0: {'type': 'none'}}  # what CAPTIONS say, as the synthetic records store it
   info = [{'pair_id': f'{i:06d}{"c" if t else "nc"}', 'scene_id': i, 'change_type': int(t),
-           'captions': [CAPTIONS[t]]} for i, t in enumerate(types)]
+           'captions': [CAPTIONS[t]], 'change_params': truth[int(t)]}
+          for i, t in enumerate(types)]
   return batch, info, vocab
 
 
@@ -323,6 +327,7 @@ def test_tiny_captioner_learns_two_captions(tmp_path):
   assert {'CIDEr', 'ROUGE_L', 'color/CIDEr', 'none/CIDEr', 'change/Bleu_4',
           'no_change/Bleu_4'} <= set(metrics)
   assert 'METEOR' not in metrics  # only on test
+  assert metrics['semantic/decision'] == metrics['semantic/color/new_value'] == 1.0
   with open(tmp_path / 'caption' / 'predictions_val.json', encoding='utf-8') as f:
     written = json.load(f)
   assert written[0] == {'image_id': '000000c', 'caption': CAPTIONS[1]}

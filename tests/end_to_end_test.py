@@ -34,6 +34,13 @@ def test_all_stages_write_results_and_report(finished_run):
     assert np.isfinite(saved['metrics'][name])
   html = open(os.path.join(workdir, 'report.html'), encoding='utf-8').read()
   assert 'Gallery' in html and 'imagined' in html and 'data:image/png;base64' in html
+  # The synthetic benchmark's semantic scores, reference rows and error-class gallery.
+  assert 0.0 <= saved['metrics']['semantic/decision'] <= 1.0
+  assert 'change/CIDEr' in saved['metrics'] and 'semantic/move/type' in saved['metrics']
+  rows = saved['reference_rows']
+  assert rows['template_oracle']['metrics']['semantic/right'] == 1.0
+  assert rows['no_change_constant']['metrics']['semantic/decision'] == 0.5
+  assert 'Semantic scores' in html and 'Reference rows' in html and 'error class' in html
   with open(os.path.join(workdir, 'caption', 'predictions_test.json')) as f:
     preds = json.load(f)
   assert preds and {'image_id', 'caption'} <= set(preds[0])
@@ -73,6 +80,17 @@ def test_evaluate_mode_restores_a_checkpoint(finished_run):
   assert again['metrics']['CIDEr'] == pytest.approx(results['metrics']['CIDEr'])
   latest = main.run(config, workdir, mode='evaluate', split='val', which='latest')
   assert latest['split'] == 'val'
+
+
+def test_semantic_scores_command_rescores_the_saved_predictions(finished_run, capsys):
+  from procap_jax import semantic_scores
+  config, workdir, results = finished_run
+  out = semantic_scores.main(['--workdir', workdir, '--split', 'test'])
+  assert json.loads(capsys.readouterr().out) == out
+  m = results['metrics']
+  for name in ('CIDEr', 'change/CIDEr', 'semantic/decision', 'semantic/type', 'semantic/right'):
+    assert out['metrics'][name] == pytest.approx(m[name])
+  assert sum(out['error_classes'].values()) == out['pairs']
 
 
 def test_stage2_without_stage1_checkpoint_is_a_user_error(tiny_config, tmp_path):
@@ -237,6 +255,12 @@ def test_current_results_needs_matching_stages_settings_and_report(tmp_path):
   path = os.path.join(workdir, 'results.json')
   with open(path, 'w') as f:
     json.dump(results, f)
+  open(os.path.join(workdir, 'report.html'), 'w').close()
+  assert stages.current_results(config, workdir) is None           # no reference rows
+  results['reference_rows'] = {}
+  with open(path, 'w') as f:
+    json.dump(results, f)
+  os.remove(os.path.join(workdir, 'report.html'))
   assert stages.current_results(config, workdir) is None           # no report.html yet
   open(os.path.join(workdir, 'report.html'), 'w').close()
   assert stages.current_results(config, workdir) == results

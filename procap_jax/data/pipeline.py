@@ -28,6 +28,7 @@ The training process never imports TensorFlow.
 """
 
 import functools
+import json
 import os
 from typing import Any, Iterator
 
@@ -144,7 +145,8 @@ def _text(x: Any) -> str:
 
 
 def load_split_info(config, split: str, workdir: str) -> list[dict]:
-  """Host-side facts per record: pair_id, scene_id, change_type (int), captions (list[str])."""
+  """Host-side facts per record: pair_id, scene_id, change_type (int), captions (list[str]),
+  change_params (the decoded JSON truth of the synthetic benchmark; {} for real datasets)."""
   src = open_source(config, workdir, split)
   return [_record_info(src[i]) for i in range(len(src))]
 
@@ -152,7 +154,18 @@ def load_split_info(config, split: str, workdir: str) -> list[dict]:
 def _record_info(record: dict) -> dict:
   return {'pair_id': _text(record['pair_id']), 'scene_id': int(record['scene_id']),
           'change_type': int(record['change_type']),
-          'captions': [_text(c) for c in record['captions']]}
+          'captions': [_text(c) for c in record['captions']],
+          'change_params': _change_params(record)}
+
+
+def _change_params(record: dict) -> dict:
+  raw = record.get('change_params', b'{}')
+  try:
+    params = json.loads(_text(raw) or '{}')
+  except json.JSONDecodeError:
+    raise errors.UserError(f'the change_params of record {_text(record["pair_id"])} are not '
+                           'valid JSON; rebuild the dataset') from None
+  return params if isinstance(params, dict) else {}
 
 
 def resize(img: np.ndarray, size: int) -> np.ndarray:

@@ -35,6 +35,7 @@ from procap_jax import checkpointing
 from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import evaluation
+from procap_jax import semantic_scores
 from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
@@ -399,6 +400,7 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
 
     `batches` defaults to the whole split for 'test' and `eval_batches` batches otherwise.
     Predictions go to `<workdir>/caption/predictions_<split>.json` (COCO results format).
+    On the synthetic benchmark the metrics add its semantic scores (`semantic_scores.score`).
     """
     info = info if info is not None else pipeline.load_split_info(config, split, workdir)
     vocab = vocab if vocab is not None else pipeline.load_vocab(config, workdir)
@@ -426,7 +428,10 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
     if write_predictions:
       evaluation.write_results(os.path.join(workdir, 'caption', f'predictions_{split}.json'),
                                predictions)
-    return flat_metrics(scores)
+    metrics = flat_metrics(scores)
+    if semantic_scores.applies(config):  # the synthetic benchmark: its truth is in the records
+      metrics.update(semantic_scores.score(predictions, semantic_scores.split_truths(info))[0])
+    return metrics
 
   return train.Task(name='caption', build_model=build_model, init_params=init_params,
                     loss_fn=loss_fn, value_and_grad=value_and_grad,
