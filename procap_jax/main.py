@@ -223,7 +223,10 @@ def main(argv):
     _use_cpu_devices(config)
   _maybe_init_distributed()
   results = run(config, workdir, _MODE.value, _SPLIT.value, _WHICH.value)
+  from procap_jax import config_lib
+  # The caption command serves ProCap runs (tokenizer features); a DUDA run has none to warm.
   if (_MODE.value == 'train' and results and 'caption' in config.stages
+      and config_lib.caption_kind(config) == 'procap'
       and int(os.environ.get('JAX_PROCESS_ID', '0')) == 0):
     warm_up_caption_command(workdir)
 
