@@ -69,6 +69,9 @@ def _prepare_data(config, workdir: str) -> None:
     else:
       module.prepare(bc, ddir, manual_dir=config.data.manual_dir, beam_options=beam)
     print(f'built {name}/{bc} in {time.time() - t0:.0f} s', flush=True)
+  else:
+    print(f'using the dataset {name}/{bc} already built in '
+          f'{datasets.dataset_dir(name, bc, ddir)}', flush=True)
   if config.data.sampler == 'confidence' and not config.data.scores_file:
     path = pipeline.scores_path(config, workdir)
     if not os.path.exists(path) and config.data.scores_feature == 'stats':

@@ -286,6 +286,38 @@ class MetricsLog:
       self._f.close()
 
 
+def last_logged_step(path: str) -> int:
+  """The highest step in a stage's metrics.jsonl (0 when it is missing or has no step)."""
+  if not os.path.exists(path):
+    return 0
+  steps = [0]
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        steps.append(int(json.loads(line).get('step', 0)))
+      except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        continue  # a line cut by a kill
+  return max(steps)
+
+
+def start_line(stage: str, checkpoint_dir: str, start: int, logged: int, total: int) -> str:
+  """The line a stage prints when it starts: whether it resumes from a checkpoint (and from
+  which step) or starts from step 0, and which logged steps of an earlier start are trained
+  again because no checkpoint kept them, e.g.
+  `[tokenizer] starting from step 0 of 100 (no checkpoint in W/tokenizer/checkpoints); steps
+  1-3 of an earlier start were not checkpointed and are trained again`."""
+  if start:
+    head = f'[{stage}] resuming from step {start} of {total} (checkpoint in {checkpoint_dir})'
+  else:
+    head = f'[{stage}] starting from step 0 of {total} (no checkpoint in {checkpoint_dir})'
+  if logged > start:
+    first = start + 1
+    head += (f'; step {first} of an earlier start was not checkpointed and is trained again'
+             if logged == first else f'; steps {first}-{logged} of an earlier start were not '
+             'checkpointed and are trained again')
+  return head
+
+
 def _better(new: float, old: float | None, mode: str) -> bool:
   if old is None or not math.isfinite(old):
     return math.isfinite(new)
@@ -354,6 +386,8 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   train_iter = pipeline.TrainIterator(train_ds)
   best_value = None
   start = 0
+  metrics_path = os.path.join(stage_dir, 'metrics.jsonl')
+  logged = last_logged_step(metrics_path)
   if ckpts.latest_step() is not None:
     # Before restoring: a checkpoint of another model would fail inside orbax on its shapes.
     checkpointing.check_config_compatible((checkpointing.latest_meta(ckpts) or {}).get('config'),
@@ -364,11 +398,12 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     train_iter.set_state(data_state)
     start = int(jax.device_get(state.step))
     best_value = meta.get('best_value')
-    print(f'[{task.name}] resumed from step {start} ({stage_dir})', flush=True)
-  elif task.restore_init is not None:
+  print(start_line(task.name, os.path.join(stage_dir, 'checkpoints'), start, logged, total),
+        flush=True)
+  if start == 0 and task.restore_init is not None:
     params = task.restore_init(jax.device_get(state.params), config, workdir)
     state = state.replace(params=jax.device_put(params, state_sh.params))
-  log = MetricsLog(os.path.join(stage_dir, 'metrics.jsonl'), start)
+  log = MetricsLog(metrics_path, start)
   meta_base = {'config': config.to_dict(), 'stage': task.name}
 
   def save(step_now: int, best: bool, metrics_now: dict | None = None):

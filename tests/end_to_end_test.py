@@ -170,6 +170,29 @@ def test_captioner_api_matches_the_evaluation_path(finished_run, tmp_path):
   _, model, state, constants, _ = stages.restore_for_eval(run_config, workdir, 'caption', 'best')
   ids = caption_task.generate(state.params, constants, run_config, model, before, after)
   expected = [captioner.vocab.decode(row) for row in ids]
+  # The command decodes in calls of 4 and 1 pairs, another program than one call of 5: the same
+  # words where each has a top-2 logit gap above twice the logits' float error, 64 ulps x
+  # sqrt(ffn) of their scale (tests/margins.py), checked on teacher-forced logits split alike.
+  import jax  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import margins  # pylint: disable=import-outside-toplevel
+  from procap_jax.data import vocab as vocab_lib  # pylint: disable=import-outside-toplevel
+  from procap_jax.tasks import encodings  # pylint: disable=import-outside-toplevel
+  params, tokenizer = nn.meta.unbox(state.params), caption_task.vqgan_tokenizer(run_config)
+
+  @jax.jit
+  def logits(before, after, tokens):
+    fb, fa = encodings.pair_features(tokenizer, constants['tokenizer'],
+                                     {'before': before, 'after': after})
+    return model.apply({'params': params}, fb, fa, tokens)  # [B, L-1, V]
+
+  whole = np.asarray(logits(before, after, ids[:, :-1]))
+  split = np.concatenate([logits(before[:4], after[:4], ids[:4, :-1]),
+                          logits(before[4:], after[4:], ids[4:, :-1])])
+  error = margins.sum_tolerance(np.abs(whole).max(), run_config.caption.model.ffn, ulps=64)
+  assert np.abs(split - whole).max() <= error
+  gaps = margins.greedy_gaps(whole, ids, vocab_lib.EOS, banned=(vocab_lib.UNK,))
+  assert np.all(gaps > 2 * error), gaps.min(axis=1)
   assert captioner.caption_batch(list(before), list(after)) == expected  # calls of 4 and 1
   _write_png(tmp_path / 'b.png', before[0])
   assert captioner(str(tmp_path / 'b.png'), Image.fromarray(after[0])) == expected[0]

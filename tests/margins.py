@@ -10,9 +10,14 @@ n ulps, needs every rounding to go the same way). So:
   largest |value| (`sum_tolerance`, `assert_trees_close`), not with a fixed atol;
 - discrete results (greedy ids, VQ codes, an argmax) are equal only where the decision had a
   margin: the top-2 gap of the scores exceeds twice the float error either program can make
-  (`top2_gap`, `greedy_gaps`, `assert_same_ids_with_margins`). The tests check the margin, so a
-  near-tie makes them fail loudly (or, where stated, leaves a counted row out) instead of
+  (`top2_gap`, `greedy_gaps`, `assert_same_ids_with_margins`; for codes `code_gaps`,
+  `code_error`, `clear_codes`). The tests check the margin, so a near-tie makes them fail loudly
+  (or, where stated, leaves a counted row or code out, with an asserted minimum kept) instead of
   flipping on another CPU.
+
+The ulps factors are practical bounds (several times the random walk's typical size, not the
+worst case); where a test can, it also checks the float error it assumes against the difference
+it measures between the two programs, so a CPU that rounds worse fails that check by name.
 """
 
 import math

@@ -118,7 +118,7 @@ def _steps(directory: str) -> list[int]:
 
 
 def _resumed_from(text: str) -> str:
-  m = re.search(r'resumed from step (\d+)', text)
+  m = re.search(r'resuming from step (\d+)', text)
   return f'restarted from checkpoint step {m.group(1)}' if m else 'restarted from scratch'
 
 
@@ -296,6 +296,41 @@ def test_checkpoint_of_another_model_config_says_what_differs(tiny_config, tmp_p
   fault('main (train), evaluation, caption command',
         'resume from or load a checkpoint with another model config',
         f'"{info.value}" (every checkpoint stores its config; checked before restoring)')
+
+
+def test_a_second_start_says_what_it_reuses_and_where_each_stage_starts(tiny_config, tmp_path,
+                                                                        capsys, fault):
+  from procap_jax import stages
+  workdir = str(tmp_path)
+  stages.prepare_data(tiny_config, workdir)  # the session's dataset, already built
+  line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith('using'))
+  assert line.startswith('using the dataset synthetic_change/tiny already built in ')
+  assert line.endswith(os.path.join('synthetic_change', 'tiny', '1.0.0'))
+  fault('main (train)', 'a start on a workdir whose dataset is built', line)
+
+  # Killed before its first checkpoint, after logging steps 1-4 (metrics.jsonl, as train writes).
+  config = _toy_config(tiny_config)
+  stage = os.path.join(workdir, 'pretrain')
+  os.makedirs(stage)
+  with open(os.path.join(stage, 'metrics.jsonl'), 'w', encoding='utf-8') as f:
+    f.writelines(json.dumps({'step': s, 'split': 'train', 'loss': 1.0}) + '\n' for s in (1, 4))
+  train.run(_toy_task(), config, workdir, max_steps=3)
+  line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith('[pretrain] st'))
+  assert line == (f'[pretrain] starting from step 0 of 10 (no checkpoint in '
+                  f'{os.path.join(stage, "checkpoints")}); steps 1-4 of an earlier start were '
+                  'not checkpointed and are trained again')
+  fault('main (train)', 'a start after a kill before the stage\'s first checkpoint (steps 1-4 '
+        'logged)', line)
+
+  # Killed after its step-3 checkpoint, with step 5 logged.
+  with open(os.path.join(stage, 'metrics.jsonl'), 'a', encoding='utf-8') as f:
+    f.write(json.dumps({'step': 5, 'split': 'train', 'loss': 1.0}) + '\n')
+  train.run(_toy_task(), config, workdir, max_steps=1)
+  line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith('[pretrain] re'))
+  assert line.startswith('[pretrain] resuming from step 3 of 10 (checkpoint in ')
+  assert line.endswith('; steps 4-5 of an earlier start were not checkpointed and are trained '
+                       'again')
+  fault('main (train)', 'a start after a kill after the step-3 checkpoint (step 5 logged)', line)
 
 
 def test_temporary_files_of_killed_writers_are_removed(tiny_config, tmp_path, fault):

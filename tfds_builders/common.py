@@ -36,9 +36,9 @@ import h5py
 import numpy as np
 import PIL.Image
 import tensorflow_datasets as tfds
-import tqdm
 
 from procap_jax import errors
+from procap_jax import progress
 from procap_jax.data import images
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.procedure import interpolation
@@ -355,6 +355,7 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
                               'manual')
       self._check_manual_dir(os.fspath(manual))  # before TFDS's own (less helpful) assertion
       self._remove_incomplete_builds()
+    progress.quiet_library_bars()  # their bars nest around ours: a log gets lines, not bars
     with beam_build.user_errors_from_workers():
       super().download_and_prepare(download_dir=download_dir, download_config=download_config,
                                    **kwargs)
@@ -393,7 +394,7 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _local_examples(self, split: str, tasks: list[tuple]) -> Iterator[tuple[str, dict]]:
     cfg = self.builder_config
     workers = _worker_count(self._num_workers, len(tasks))
-    bar = tqdm.tqdm(total=len(tasks), desc=f'{self.name}/{cfg.name} {split}', unit='pair')
+    bar = progress.bar(total=len(tasks), desc=f'{self.name}/{cfg.name} {split}', unit='pair')
     try:
       if workers == 1:
         for task in tasks:

@@ -41,9 +41,9 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 
 from procap_jax import errors
+from procap_jax import progress
 from procap_jax.data import pipeline
 from procap_jax.models import vqgan
 from procap_jax.tasks import encodings
@@ -276,8 +276,8 @@ def _build_locked(config, workdir, tokenizer_params, tokenizer, expected, partia
   print(f'tokenizer feature cache: encoding {total} records x {nine} frames into {partial} '
         f'({size / 2**30:.2f} GiB)', flush=True)
   checks = {}
-  with tqdm.tqdm(total=total, initial=start, unit='record', desc='feature cache',
-                 dynamic_ncols=True) as bar:
+  with progress.bar(total=total, initial=start, unit='record', desc='feature cache',
+                    dynamic_ncols=True) as bar:
     for split in SPLITS:
       paths = [os.path.join(partial, f'{split}.{k}.npy') for k in ('features', 'codes')]
       mode = 'r+' if done[split] else 'w+'

@@ -30,9 +30,9 @@ from typing import Callable
 
 import cv2
 import numpy as np
-import tqdm
 
 from procap_jax import errors
+from procap_jax import progress as progress_lib
 from procap_jax.procedure import interpolation
 
 FeatureFn = Callable[[np.ndarray], np.ndarray]
@@ -303,7 +303,7 @@ def scores_for_split(source, frames_from: str, feature_fn: FeatureFn, progress: 
     frames_from: 'frames' (the stored interpolation), 'oracle' (the renderer's frames) or
       'crossfade' (blended from before / after).
     feature_fn: the image features.
-    progress: show a tqdm bar.
+    progress: show progress (`procap_jax.progress.bar`).
     workers: > 1 scores blocks of records in that many spawned processes (source and
       feature_fn must pickle, e.g. a TFDS data source and `stats_features`); same result.
 
@@ -312,7 +312,7 @@ def scores_for_split(source, frames_from: str, feature_fn: FeatureFn, progress: 
   """
   n = len(source)
   out = {}
-  with tqdm.tqdm(total=n, desc='scores', disable=not progress) as bar:
+  with progress_lib.bar(total=n, desc='scores', unit='pair', disable=not progress) as bar:
     if workers <= 1 or n < 2 * _BLOCK:
       for i in range(n):
         key, value = _pair_scores(source[i], frames_from, feature_fn)

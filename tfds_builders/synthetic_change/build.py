@@ -17,9 +17,9 @@ import json
 import time
 
 import tensorflow_datasets as tfds
-import tqdm
 
 from procap_jax import errors
+from procap_jax import progress
 from tfds_builders.synthetic_change import scene
 from tfds_builders.synthetic_change import synthetic_change_dataset_builder as builder_lib
 
@@ -44,8 +44,8 @@ def statistics(builder: tfds.core.DatasetBuilder) -> dict:
     src = builder.as_data_source(split=split)
     types, scenes, distinct = collections.Counter(), set(), set()
     per_pair = []
-    for i in tqdm.trange(len(src), desc=f'reading {split}', unit='pair', mininterval=2.0,
-                         leave=False):
+    for i in progress.bar(range(len(src)), desc=f'reading {split}', unit='pair', mininterval=2.0,
+                          leave=False):
       r = src[i]
       types[names[int(r['change_type'])]] += 1
       scenes.add(int(r['scene_id']))

@@ -16,9 +16,9 @@ import shutil
 from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
-import tqdm
 
 from procap_jax import errors
+from procap_jax import progress
 from tfds_builders import beam_build
 from tfds_builders.synthetic_change import generate
 from tfds_builders.synthetic_change import scene
@@ -99,6 +99,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
     """As TFDS; a `download_config` with Beam options or a runner builds on Beam (then
     `num_workers` is unused: Beam's workers render the scenes)."""
     self._use_beam = beam_build.uses_beam(download_config)
+    progress.quiet_library_bars()  # their bars nest around ours: a log gets lines, not bars
     with beam_build.user_errors_from_workers():
       super().download_and_prepare(download_config=download_config, **kwargs)
 
@@ -141,19 +142,19 @@ class Builder(tfds.core.GeneratorBasedBuilder):
     cfg = self.builder_config
     n = len(tasks)
     workers = workers_for(n, self._num_workers)
-    progress = dict(total=n, desc=f'synthetic_change/{cfg.name} {split}', unit='scene',
-                    mininterval=2.0)
+    shown = dict(total=n, desc=f'synthetic_change/{cfg.name} {split}', unit='scene',
+                 mininterval=2.0)
     if workers <= 1:
       generate.init_worker()
-      for examples in tqdm.tqdm(map(generate.scene_examples, tasks), **progress):
+      for examples in progress.bar(map(generate.scene_examples, tasks), **shown):
         yield from examples
       return
     # spawn: safe even when the caller has threads (JAX, TFDS); ordered imap keeps keys sorted.
     ctx = multiprocessing.get_context('spawn')
     chunk = max(1, min(16, n // (workers * 8)))
     with ctx.Pool(workers, initializer=generate.init_worker) as pool:
-      for examples in tqdm.tqdm(pool.imap(generate.scene_examples, tasks, chunksize=chunk),
-                                **progress):
+      for examples in progress.bar(pool.imap(generate.scene_examples, tasks, chunksize=chunk),
+                                   **shown):
         yield from examples
 
 
