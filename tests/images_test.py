@@ -1,6 +1,7 @@
 """Tests for procap_jax.data.images: decoding, mode conversion, resizing, clear errors."""
 
 import io
+import os
 import struct
 import zlib
 
@@ -145,6 +146,25 @@ def test_missing_empty_directory(tmp_path):
     images.load_image(tmp_path)
   with pytest.raises(errors.UserError, match='empty'):
     images.load_image(b'')
+
+
+def test_unreadable_file_is_one_sentence(tmp_path, monkeypatch):
+  path = tmp_path / 'locked.png'
+  path.write_bytes(_PNG)
+  path.chmod(0)
+  if os.access(path, os.R_OK):
+    # root reads a mode-000 file, so the permission error is raised where the file is opened
+    real_open = open
+
+    def denying_open(name, *args, **kwargs):
+      if os.fspath(name) == os.fspath(path):
+        raise PermissionError(13, 'Permission denied', os.fspath(name))
+      return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr('builtins.open', denying_open)
+  with pytest.raises(errors.UserError, match=r'cannot read image file \S*locked.png: Permission '
+                     'denied'):
+    images.load_image(path)
 
 
 def test_truncated_and_not_an_image(tmp_path):
