@@ -300,15 +300,17 @@ def last_logged_step(path: str) -> int:
   return max(steps)
 
 
-def start_line(stage: str, checkpoint_dir: str, start: int, logged: int, total: int) -> str:
-  """The line a stage prints when it starts: whether it resumes from a checkpoint (and from
-  which step) or starts from step 0, and which logged steps of an earlier start are trained
-  again because no checkpoint kept them, e.g.
+def start_line(stage: str, checkpoint_dir: str, start: int | None, logged: int,
+               total: int) -> str:
+  """The line a stage prints when it starts: whether it resumes from a checkpoint (its step
+  `start`) or starts from step 0 (`start` None: no checkpoint), and which logged steps of an
+  earlier start are trained again because no checkpoint kept them, e.g.
   `[tokenizer] starting from step 0 of 100 (no checkpoint in W/tokenizer/checkpoints); steps
   1-3 of an earlier start were not checkpointed and are trained again`."""
-  if start:
+  if start is not None:
     head = f'[{stage}] resuming from step {start} of {total} (checkpoint in {checkpoint_dir})'
   else:
+    start = 0
     head = f'[{stage}] starting from step 0 of {total} (no checkpoint in {checkpoint_dir})'
   if logged > start:
     first = start + 1
@@ -398,9 +400,10 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     train_iter.set_state(data_state)
     start = int(jax.device_get(state.step))
     best_value = meta.get('best_value')
-  print(start_line(task.name, os.path.join(stage_dir, 'checkpoints'), start, logged, total),
-        flush=True)
-  if start == 0 and task.restore_init is not None:
+  resumed = ckpts.latest_step() is not None
+  print(start_line(task.name, os.path.join(stage_dir, 'checkpoints'), start if resumed else None,
+                   logged, total), flush=True)
+  if not resumed and task.restore_init is not None:
     params = task.restore_init(jax.device_get(state.params), config, workdir)
     state = state.replace(params=jax.device_put(params, state_sh.params))
   log = MetricsLog(metrics_path, start)

@@ -57,6 +57,7 @@ def test_rerun_skips_finished_stages(finished_run, capsys):
   config, workdir, results = finished_run
   again = main.run(config, workdir)
   out = capsys.readouterr().out
+  assert f'using the dataset synthetic_change/tiny already built in {config.data.data_dir}' in out
   assert out.count('already finished') == 3
   # Nothing changed, so results.json is returned as it is rather than evaluated again.
   assert 'not evaluating again' in out

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -90,11 +91,24 @@ def _spot_manual(man, problem: str = '') -> None:
         [{'img_id': '3', 'sentences': ['', ' ']}]))
 
 
-def test_real_dataset_builders_bad_input(tmp_path, fault):
+def test_real_dataset_builders_bad_input(tmp_path, capsys, fault):
   from tfds_builders import spot_the_diff
   man = tmp_path / 'ok'
   _spot_manual(man)
+  capsys.readouterr()
   builder = spot_the_diff.prepare('tiny32', str(tmp_path / 'data_ok'), str(man), num_workers=1)
+  # stderr is not a terminal here (captured, as a log file is): plain progress lines, one per
+  # split, and neither TFDS's nested bars nor escape codes.
+  err = capsys.readouterr().err
+  assert '\r' not in err and '\x1b' not in err and '%|' not in err, err
+  lines = [line for line in err.splitlines() if line.startswith('spot_the_diff/tiny32 ')]
+  assert sorted(line.split(':')[0] for line in lines) == [
+      f'spot_the_diff/tiny32 {split}' for split in ('test', 'train', 'val')], err
+  assert all(re.fullmatch(r'spot_the_diff/tiny32 \w+: 2/2 in \d+ s \([\d.e+]+ pair/s\)', line)
+             for line in lines), lines
+  fault('dataset builders (spot_the_diff shown)', 'output that is not a terminal (a log file): '
+        'the progress of a build', 'one plain line per split, no TFDS bars or escape codes, e.g. '
+        f'"{lines[0]}" (a loop that runs longer prints count, rate and ETA every 10 % or minute)')
   record = builder.as_data_source('train')[0]
   assert record['before'].shape == record['after'].shape == (32, 32, 3)
   assert [c.decode() for c in record['captions']] == ['the car is gone']
