@@ -143,3 +143,16 @@ def beam_search(step_fn: StepFn, cache: Any, batch_size: int, *, beam_size: int,
   best_tokens = jnp.take_along_axis(tokens, best[:, None, None], axis=1)[:, 0]  # [B, L_max]
   best_scores = jnp.take_along_axis(scores, best[:, None], axis=1)[:, 0]  # [B]
   return best_tokens, best_scores
+
+
+def search(step_fn: StepFn, cache: Any, batch_size: int, *, method: str, beam_size: int,
+           alpha: float, max_len: int, bos_id: int, eos_id: int, unk_id: int | None,
+           pad_id: int) -> jax.Array:
+  """Caption ids [B, max_len] by `method` ('greedy' | 'beam': the best beam); the one dispatch
+  every captioner's `generate` uses."""
+  ids = dict(max_len=max_len, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id, pad_id=pad_id)
+  if method == 'greedy':
+    return greedy(step_fn, cache, batch_size, **ids)
+  if method == 'beam':
+    return beam_search(step_fn, cache, batch_size, beam_size=beam_size, alpha=alpha, **ids)[0]
+  raise ValueError(f"decoding method must be 'greedy' or 'beam', got {method!r}")

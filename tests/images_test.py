@@ -148,7 +148,7 @@ def test_missing_empty_directory(tmp_path):
     images.load_image(b'')
 
 
-def test_unreadable_file_is_one_sentence(tmp_path, monkeypatch):
+def test_unreadable_file_is_one_sentence(tmp_path, monkeypatch, fault):
   path = tmp_path / 'locked.png'
   path.write_bytes(_PNG)
   path.chmod(0)
@@ -163,8 +163,10 @@ def test_unreadable_file_is_one_sentence(tmp_path, monkeypatch):
 
     monkeypatch.setattr('builtins.open', denying_open)
   with pytest.raises(errors.UserError, match=r'cannot read image file \S*locked.png: Permission '
-                     'denied'):
+                     'denied') as e:
     images.load_image(path)
+  fault('image loading (caption command, builders)', 'an image file without read permission',
+        str(e.value))
 
 
 def test_truncated_and_not_an_image(tmp_path):

@@ -83,6 +83,22 @@ def _initialised_why(path: tuple[str, ...]) -> str:
   return 'not in the file'
 
 
+def _fresh_state(config, stage: str):
+  """(task, a freshly initialised TrainState of `stage`, its shardings) on the config's mesh."""
+  import jax
+  from procap_jax import sharding
+  from procap_jax import stages
+  from procap_jax import train
+  from procap_jax.diagnostics import stand_ins
+  task = stages.TASKS[stage]
+  model = task.build_model(config)
+  mesh = sharding.mesh_from_config(config)
+  tx = task.make_optimizer(config, int(config[stage].train.steps))
+  state, state_sh = train.create_state(task, model, config, tx, jax.random.key(int(config.seed)),
+                                       stand_ins.fake_batch(config, 1), mesh)  # shapes only
+  return task, state, state_sh
+
+
 def converted_from_file(config, stage: str, path: str, state: dict, allow_init: bool):
   """The TrainState of `stage` with `path`'s weights (nothing written).
 
@@ -93,18 +109,9 @@ def converted_from_file(config, stage: str, path: str, state: dict, allow_init: 
   import flax
   import jax
   from flax import linen as nn
-  from procap_jax import sharding
-  from procap_jax import stages
-  from procap_jax import train
   from procap_jax.convert import common
   from procap_jax.convert import init
-  from procap_jax.diagnostics import stand_ins
-  task = stages.TASKS[stage]
-  model = task.build_model(config)
-  mesh = sharding.mesh_from_config(config)
-  tx = task.make_optimizer(config, int(config[stage].train.steps))
-  fresh, state_sh = train.create_state(task, model, config, tx, jax.random.key(int(config.seed)),
-                                       stand_ins.fake_batch(config, 1), mesh)  # shapes only
+  _, fresh, state_sh = _fresh_state(config, stage)
   new = init.converted(stage, config, path, state)
   ours = flax.traverse_util.flatten_dict(nn.meta.unbox(jax.device_get(fresh.params)))
   given = flax.traverse_util.flatten_dict(dict(new))
@@ -128,16 +135,7 @@ def converted_from_file(config, stage: str, path: str, state: dict, allow_init: 
 def converted_state(config, stage: str):
   """The TrainState of `stage` with `config.<stage>.init_from`'s weights (nothing written)."""
   import jax
-  from procap_jax import sharding
-  from procap_jax import stages
-  from procap_jax import train
-  from procap_jax.diagnostics import stand_ins
-  task = stages.TASKS[stage]
-  model = task.build_model(config)
-  mesh = sharding.mesh_from_config(config)
-  tx = task.make_optimizer(config, int(config[stage].train.steps))
-  state, state_sh = train.create_state(task, model, config, tx, jax.random.key(int(config.seed)),
-                                       stand_ins.fake_batch(config, 1), mesh)  # shapes only
+  task, state, state_sh = _fresh_state(config, stage)
   params = task.restore_init(jax.device_get(state.params), config, None)
   return state.replace(params=jax.device_put(params, state_sh.params))
 

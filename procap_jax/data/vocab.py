@@ -46,6 +46,8 @@ from procap_jax import errors
 
 SPECIAL_TOKENS = ('[PAD]', '[CLS]', '[SEP]', '[VID]', '[BOS]', '[EOS]', '[UNK]', '[MASK]')
 PAD, CLS, SEP, VID, BOS, EOS, UNK, MASK = range(len(SPECIAL_TOKENS))
+# the special ids a caption search needs (`procap_jax.decoding.search`)
+DECODING_IDS = dict(bos_id=BOS, eos_id=EOS, unk_id=UNK, pad_id=PAD)
 IGNORE = -1  # label of positions the loss skips
 MAX_LEN = 24  # max_t_len of the original configs
 MIN_WORD_COUNT = 3  # the threshold that reproduces the shipped Spot-the-Diff / IER files

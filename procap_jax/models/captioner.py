@@ -175,14 +175,8 @@ def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats
   def step(cache, token, pos):
     return model.apply(variables, cache, token, pos, method='decode_step')
 
-  ids = dict(max_len=max_len, bos_id=vocab_lib.BOS, eos_id=vocab_lib.EOS, unk_id=vocab_lib.UNK,
-             pad_id=vocab_lib.PAD)
-  if method == 'greedy':
-    return decoding.greedy(step, cache, before_feats.shape[0], **ids)
-  if method == 'beam':
-    return decoding.beam_search(step, cache, before_feats.shape[0], beam_size=beam_size,
-                                alpha=alpha, **ids)[0]
-  raise ValueError(f"decoding method must be 'greedy' or 'beam', got {method!r}")
+  return decoding.search(step, cache, before_feats.shape[0], method=method, beam_size=beam_size,
+                         alpha=alpha, max_len=max_len, **vocab_lib.DECODING_IDS)
 
 
 def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,
