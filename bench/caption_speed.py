@@ -75,7 +75,8 @@ def measure(config_spec: str, batch_size: int, repeats: int, dtype: str,
   latency = common.time_all(lambda: run(one), warmup=0, repeats=max(3, repeats))
   max_len = int(config.caption.model.max_len)
   return {
-      'bench': 'caption_speed', 'config': config_spec, 'dtype': dtype, 'batch': batch_size,
+      'bench': 'caption_speed', 'config': config_spec, 'dtype': dtype,
+      'frozen_dtype': config.tokenizer.frozen_dtype, 'batch': batch_size,
       'overrides': list(overrides) or None, 'feature_cache': feature_cache, 'scenes': scenes,
       'decoding': config.caption.decoding.method, 'batch_s': sec, 'batch_s_best': min(times),
       'samples_per_s': batch_size / sec, 'tokens_per_s': batch_size * max_len / sec,

@@ -1,7 +1,10 @@
 """Shared measurement helpers for the benchmarks: one JSON line per measurement.
 
 Every line carries the same core fields (`FIELDS`): the benchmark, config, batch, samples/s,
-tokens/s, peak RSS (GiB) and MFU (None where it does not apply, e.g. a dataset build).
+tokens/s, peak RSS (GiB) and MFU (None where it does not apply, e.g. a dataset build), and last
+`cpu`, the CPU it ran on with the instruction sets that decide its speed
+(`procap_jax.cpu_info.summary`: model name, family / model, avx2, avx512f, avx512_bf16, amx_bf16,
+XLA's ISA cap when XLA_FLAGS sets one).
 
 MFU is model FLOPs per second (from the compiled step's XLA cost analysis) divided by the peak
 of a matmul of the same precision measured in the same process, so the figure is a ratio that
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.timing import time_all  # noqa: F401  (re-exported: common.time_all)
+from procap_jax import cpu_info
 from procap_jax.diagnostics import records as records_lib
 
 FIELDS = ('bench', 'config', 'batch', 'samples_per_s', 'tokens_per_s', 'peak_rss_gib', 'mfu')
@@ -41,6 +45,8 @@ def emit(record: dict) -> None:
   """
   out = {k: record.get(k) for k in FIELDS} if 'bench' in record else {}
   out.update(record)
+  if 'bench' in record and 'cpu' not in record:
+    out['cpu'] = cpu_info.summary(cpu_info.read())
   records_lib.emit(out)
 
 

@@ -47,8 +47,19 @@ the inference batch alone (its share of inference), ours.
     `--ours_tree` (default this checkout; a `git archive HEAD` copy keeps other people's
     uncommitted edits out of the measurement). Their first step (compilation) is not timed.
 
-One JSON line per measurement (side, what, batch, step_s = median seconds per step or per
-inference batch, peak_gib, cpu, versions, threads, the micro-batching used), then one line of
+`--cap_isa avx2` (or `avx512`: AVX-512 without its BF16 and VNNI instructions) caps both sides'
+children at that instruction set, to time an older CPU's code on a newer one: XLA_FLAGS gets
+`--xla_cpu_max_isa=AVX2`, torch `ONEDNN_MAX_CPU_ISA=AVX2` and `ATEN_CPU_CAPABILITY=avx2`
+(`procap_jax.cpu_info.ISA_CAPS`); the original's records say the capability ATen then ran
+(`aten_cpu_capability`). XLA's flag caps the code XLA generates, not the matmuls it hands to
+YNNPACK, which picks its kernels from the CPU itself: with jax 0.10.2 a bf16 dot ran at the same
+rate per CPU-second with and without the cap on the AMD EPYC with AVX-512 BF16
+(docs/performance.md, "Which path runs"), so our side's rows under a cap are not an AVX2 CPU's.
+
+The first line names the CPU (`cpu`: model name, family, model, avx2 / avx512f / avx512_bf16 /
+amx_bf16 flags, XLA's ISA cap) and the cap; then one JSON line per measurement (side, what,
+batch, step_s = median seconds per step or per inference batch, peak_gib, cpu (one line of the
+same), versions, threads, the micro-batching used), then one line of
 ratios: ours throughput / the original's at the same batch (above 1: ours is faster), and
 `ratios_after_first`, the same against the original's steps after its first where it ran no
 untimed step and timed two or more (its first step is the slowest at paper size, while ours
@@ -70,6 +81,7 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
 from bench import original as original_lib  # pylint: disable=wrong-import-position
+from procap_jax import cpu_info  # pylint: disable=wrong-import-position  (standard library only)
 
 SMALL_VQGAN = dict(ch=32, ch_mult=(1, 2, 4), num_res_blocks=1, attn_resolutions=(),
                    resolution=32, z_channels=32, embed_dim=32, n_embed=64)
@@ -231,8 +243,11 @@ def child(opts) -> dict:
     times.append(time.time() - t0)
   import torch  # pylint: disable=import-outside-toplevel
   batch = BATCH[what.split(':')[0]]
+  capability = getattr(getattr(torch.backends, 'cpu', None), 'get_cpu_capability', None)
   record = dict(micro_batch=micro if micro < batch else None, warmup_steps=warmup,
                 times_s=times, torch=torch.__version__, threads=torch.get_num_threads(),
+                aten_cpu_capability=capability() if capability else None,
+                onednn_max_cpu_isa=os.environ.get('ONEDNN_MAX_CPU_ISA'),
                 peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
   if what == 'infer':  # translate.py: batch x 24 slots / (t1 - t0 + 1e-6) per batch
     record['tps'] = [batch * MAX_T_LEN / (t + 1e-6) for t in times]
@@ -253,10 +268,33 @@ def _json_lines(text: str) -> list[dict]:
   return out
 
 
-def _run(cmd: list[str], timeout: float, tree: str = REPO) -> tuple[list[dict], str | None]:
-  """Runs `cmd` in `tree` (first on PYTHONPATH); (its JSON lines, an error sentence or None)."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      p for p in (tree, os.environ.get('PYTHONPATH')) if p))
+def child_env(cap_isa: str, tree: str = REPO, environ: dict | None = None) -> dict:
+  """A child's environment: `environ` (default os.environ) with `tree` first on PYTHONPATH and,
+  unless `cap_isa` is 'none', both sides' ISA caps (`cpu_info.cap_environment`)."""
+  environ = dict(os.environ if environ is None else environ)
+  environ['PYTHONPATH'] = os.pathsep.join(p for p in (tree, environ.get('PYTHONPATH')) if p)
+  if cap_isa != 'none':
+    environ.update(cpu_info.cap_environment(cap_isa, environ))
+  return environ
+
+
+def header(cap_isa: str, size: str, cpu: cpu_info.Cpu | None = None,
+           environ: dict | None = None) -> dict:
+  """The first line: the CPU (default this one), its instruction sets and the caps the children
+  run under (XLA's from their XLA_FLAGS, so also one set by hand)."""
+  cpu = cpu_info.read() if cpu is None else cpu
+  env = child_env(cap_isa, environ=environ)
+  xla_flags = env.get('XLA_FLAGS', '')
+  caps = {k: env[k] for k in ('ONEDNN_MAX_CPU_ISA', 'ATEN_CPU_CAPABILITY') if env.get(k)}
+  return dict(bench='compare_original', size=size, cap_isa=cap_isa, torch_caps=caps or None,
+              cpu=cpu_info.describe(cpu, xla_flags), cpu_summary=cpu_info.summary(cpu, xla_flags))
+
+
+def _run(cmd: list[str], timeout: float, tree: str = REPO,
+         cap_isa: str = 'none') -> tuple[list[dict], str | None]:
+  """Runs `cmd` in `tree` (first on PYTHONPATH) under `cap_isa`; (its JSON lines, an error
+  sentence or None)."""
+  env = child_env(cap_isa, tree)
   try:
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
@@ -278,7 +316,7 @@ def _original(opts, what: str) -> dict:
     cmd += ['--original_warmup', str(opts.original_warmup)]
   if opts.micro:
     cmd += ['--micro', str(opts.micro)]
-  records, error = _run(cmd, opts.timeout, REPO)
+  records, error = _run(cmd, opts.timeout, REPO, opts.cap_isa)
   out = dict(records[-1]) if records else {}
   if error:
     out['error'] = error
@@ -295,6 +333,8 @@ def _ours(opts, what: str, versions: dict) -> dict:
   if 'bf16' in variants and base != 'tokenizer':  # bfloat16 matmuls accumulated in float32
     sets.append('--dtype=bfloat16')  # (config.compute_dtype), and the frozen tokenizer's
     sets.append('--set=tokenizer.frozen_dtype=bfloat16')  # convolutions in bfloat16
+  elif base != 'tokenizer':  # float32 rows in float32 whatever 'auto' would choose here
+    sets.append('--set=tokenizer.frozen_dtype=float32')
   if 'onescale' in variants:  # features from [-1, 1] images like the codes: one encoder pass
     sets.append('--set=tokenizer.model.feature_input_scale=signed')
   if base == 'infer':
@@ -313,7 +353,7 @@ def _ours(opts, what: str, versions: dict) -> dict:
            str(batch), '--steps', str(opts.steps), *sets]
     if 'cached' in variants:  # the tokenizer feature cache (data.feature_cache): no image encodes
       cmd += ['--feature_cache', 'on']
-  records, error = _run([opts.ours_python, *cmd], opts.timeout, opts.ours_tree)
+  records, error = _run([opts.ours_python, *cmd], opts.timeout, opts.ours_tree, opts.cap_isa)
   rec = records[-1] if records else {}
   out = dict(jax=versions.get('jax'), threads=os.cpu_count(), command=' '.join(cmd),
              tree=opts.ours_tree)
@@ -332,17 +372,6 @@ def _ours(opts, what: str, versions: dict) -> dict:
   return out
 
 
-def _cpu_model() -> str:
-  try:
-    text = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
-  except OSError:
-    return 'unknown'
-  for line in text.splitlines():
-    if line.startswith('Model name:'):
-      return line.split(':', 1)[1].strip()
-  return 'unknown'
-
-
 PLAN = (  # (side, what, batch as the original counts it); what = row[:variant[+variant]]
     ('original', 'stage1', 8), ('ours', 'stage1', 8), ('ours', 'stage1:cached', 8),
     ('ours', 'stage1:bf16', 8), ('ours', 'stage1:cached+bf16', 8),
@@ -358,7 +387,9 @@ PLAN = (  # (side, what, batch as the original counts it); what = row[:variant[+
 
 def drive(opts) -> None:
   """Runs the PLAN `--rounds` times, printing a JSON line per measurement, then the ratios."""
-  cpu = _cpu_model()
+  head = header(opts.cap_isa, opts.size)
+  print(json.dumps(head), flush=True)
+  cpu = head['cpu_summary']
   version = subprocess.run([opts.ours_python, '-c', 'import jax; print(jax.__version__)'],
                            capture_output=True, text=True, check=False).stdout.strip()
   versions = {'jax': version or None}
@@ -372,12 +403,13 @@ def drive(opts) -> None:
       t0 = time.time()
       rec = _original(opts, what) if side == 'original' else _ours(opts, what, versions)
       rec = dict(side=side, what=what, size=opts.size, round=r, batch=batch, cpu=cpu,
-                 wall_s=time.time() - t0, **rec)
+                 cap_isa=opts.cap_isa, wall_s=time.time() - t0, **rec)
       results.append(rec)
       print(json.dumps(rec), flush=True)
   print(json.dumps(dict(ratios=_ratios(results),
                         ratios_after_first=_ratios(results, after_first=True), size=opts.size,
-                        cpu=cpu, date=time.strftime('%Y-%m-%d %H:%M'))), flush=True)
+                        cpu=cpu, cap_isa=opts.cap_isa, date=time.strftime('%Y-%m-%d %H:%M'))),
+        flush=True)
 
 
 def _step_s(record: dict, after_first: bool) -> float | None:
@@ -441,6 +473,9 @@ def main():
   parser.add_argument('--skip', default='',
                       help='comma-separated rows to leave out, e.g. stage2:anomaly,ours/stage1 '
                       '(what, both sides; side/what, one side)')
+  parser.add_argument('--cap_isa', default='none', choices=('none',) + tuple(cpu_info.ISA_CAPS),
+                      help="cap both sides' children at this instruction set (XLA_FLAGS, "
+                      'ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY); see the docstring')
   parser.add_argument('--timeout', type=float, default=4 * 3600)
   parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
   opts = parser.parse_args()

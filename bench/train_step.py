@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from bench import common
+from procap_jax import config_lib
 from procap_jax import hostmem
 from procap_jax import sharding
 from procap_jax import train
@@ -62,7 +63,9 @@ STAGES = ('tokenizer', 'pretrain', 'caption')
 
 
 def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()):
-  """`file.py[:preset]` -> ConfigDict, with `key.sub=value` overrides applied."""
+  """`file.py[:preset]` -> ConfigDict, with `key.sub=value` overrides applied and 'auto' bf16
+  switches resolved for this CPU (`config_lib.resolve_compute_path`; a bench's `--dtype` then
+  sets config.compute_dtype, so 'auto' decides `tokenizer.frozen_dtype` there)."""
   path, _, arg = spec.partition(':')
   module = importlib.import_module(path.removesuffix('.py').replace('/', '.'))
   config = module.get_config(arg or None)
@@ -76,6 +79,7 @@ def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()):
       node[leaf] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
       node[leaf] = value
+  config_lib.resolve_compute_path(config)
   return config
 
 
@@ -147,6 +151,7 @@ def run(config_spec: str, stage: str, steps: int, batch_size: int | None, dtype:
   flops = common.compiled_flops(compiled)
   record = {
       'bench': 'train_step', 'config': config_spec, 'stage': stage, 'dtype': dtype,
+      'frozen_dtype': config.tokenizer.frozen_dtype,
       'devices': jax.device_count(), 'batch': batch_size, 'overrides': list(overrides) or None,
       'feature_cache': cached and stage != 'tokenizer',
       'compile_s': compile_s, 'step_gflop': flops / 1e9 if flops else None,

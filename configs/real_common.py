@@ -43,6 +43,11 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
 
   # Paper size (spec section 9): 224 px, VQGAN f16 with 1024 codes of 256, encoder 768 wide.
   d.builder_config = 'paper'
+  # The bf16 switches where the CPU has bf16 dot products, float32 elsewhere (and on
+  # accelerators), chosen at start-up; a run's config.json records the choice
+  # (docs/performance.md, "Which path runs"). Set either value to force it.
+  config.compute_dtype = 'auto'
+  config.tokenizer.frozen_dtype = 'auto'
   d.image_size = 224
   d.encoder_text = 'clip_bpe'                    # the original's stage-1 text (spec 1.6)
   # Off at paper size: CLEVR-Change's cache would take 134 GiB in float32 (67 GiB in float16,

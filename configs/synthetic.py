@@ -102,7 +102,7 @@ def _tokenizer(preset: str) -> ml_collections.ConfigDict:
   # The frozen tokenizer's convolutions (stages 1 and 2, the caption command): 'bfloat16' runs
   # them with bf16 operands, the 3x3 ones in row bands (docs/performance.md, "The tokenizer's
   # convolutions in row bands": a faster encode, features within a few per cent of float32's);
-  # the feature cache is built in float32 either way.
+  # the feature cache is built in float32 either way. 'auto': as config.compute_dtype's.
   t.frozen_dtype = 'float32'
   t.train = ml_collections.ConfigDict(dict(
       steps={'tiny': 20, 'quick': 150, 'default': 800}[preset],
@@ -307,7 +307,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       ('vocab', 'model'), ('codebook', None), ('conv_in', None), ('conv_out', 'model'),
       ('norm', None), ('pos', None), ('text_vocab', None), ('length', None),
   )))
-  config.compute_dtype = 'float32'     # 'bfloat16': bf16 matmuls, f32 params and accumulation
+  # 'bfloat16': bf16 matmuls, f32 params and accumulation; 'auto' (the paper presets): bfloat16
+  # where the CPU has bf16 dot products. float32 here keeps the documented results on every CPU.
+  config.compute_dtype = 'float32'
   config.report = ml_collections.ConfigDict(dict(gallery_per_type=3))
   # Reading the original's weight files (init_from, python -m procap_jax.convert): strict refuses
   # a file whose pickle names code outside the reader's allow-list (by default it is read for its

@@ -10,6 +10,7 @@ import os
 
 import ml_collections
 
+from procap_jax import cpu_info
 from procap_jax import errors
 
 _CHOICES = {
@@ -20,7 +21,7 @@ _CHOICES = {
     'data.feature_cache_dtype': ('float32', 'float16'),
     'tokenizer.model.feature_input_scale': ('unit', 'signed'),
     'tokenizer.model.token_input_scale': ('unit', 'signed'),
-    'tokenizer.frozen_dtype': ('float32', 'bfloat16'),
+    'tokenizer.frozen_dtype': ('float32', 'bfloat16', 'auto'),
     'pretrain.train.warmup': ('log', 'linear'),
     'caption.model.attention_scale': ('d_model', 'head_dim'),
     'caption.model.layernorm': ('unbiased_std', 'standard'),
@@ -32,7 +33,7 @@ _CHOICES = {
     'caption.train.loss_reduction': ('sum', 'mean'),
     'pretrain.csy_normalisation': ('code', 'mean'),
     'pretrain.binary_inputs': ('masked', 'visible'),
-    'compute_dtype': ('float32', 'bfloat16'),
+    'compute_dtype': ('float32', 'bfloat16', 'auto'),
 }
 STAGES = ('tokenizer', 'pretrain', 'caption')
 # Ids of CLIP's BPE (`procap_jax.data.bpe.VOCAB_SIZE`, not imported here: it loads numpy).
@@ -104,6 +105,74 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '
                            f'between 0 (no decay) and the {pt.steps} training steps')
+
+
+# The bf16 switches: 'auto' is resolved once at start-up (`resolve_compute_path`).
+PATH_KEYS = ('compute_dtype', 'tokenizer.frozen_dtype')
+
+
+def _saved_values(workdir: str | None) -> dict:
+  """PATH_KEYS' resolved values in `workdir/config.json` ({} without a readable one)."""
+  if not workdir:
+    return {}
+  try:
+    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  out = {}
+  for key in PATH_KEYS:
+    try:
+      value = _get(saved, key)
+    except (KeyError, TypeError):
+      value = 'float32' if key == 'tokenizer.frozen_dtype' else None  # saved before the entry
+    if value in ('float32', 'bfloat16'):
+      out[key] = value
+  return out
+
+
+def resolve_compute_path(config: ml_collections.ConfigDict, workdir: str | None = None,
+                         cpu=None, xla_flags: str | None = None,
+                         platform: str | None = None) -> str:
+  """Replaces 'auto' in PATH_KEYS by 'bfloat16' or 'float32', in place; returns the log line.
+
+  Rule, per key: a value set in the config ('float32', 'bfloat16') is kept; 'auto' takes the
+  value the run in `workdir` saved in its config.json (a resumed or evaluated run computes as it
+  started, also on another CPU), else `cpu_info.choose`: bfloat16 where the CPU has bf16 dot
+  products and XLA_FLAGS does not cap XLA:CPU below them, float32 elsewhere and on accelerators.
+  The config.json written afterwards holds the resolved values.
+
+  Args:
+    config: a validated config (not locked against value changes).
+    workdir: the run's folder, or None.
+    cpu, xla_flags, platform: for tests (default: /proc/cpuinfo, $XLA_FLAGS, JAX's backend,
+      which is asked only when a value is 'auto' and no saved one applies).
+  """
+  saved = _saved_values(workdir)
+  choice = None
+  why = {}
+  for key in PATH_KEYS:
+    *parents, leaf = key.split('.')
+    node = _get(config, '.'.join(parents)) if parents else config
+    if node[leaf] != 'auto':
+      why[key] = 'set in the config'
+    elif key in saved:
+      node[leaf] = saved[key]
+      why[key] = f"auto: kept from {os.path.join(workdir, 'config.json')}"
+    else:
+      if choice is None:
+        if platform is None:
+          import jax  # pylint: disable=import-outside-toplevel
+          platform = jax.default_backend()
+        choice = cpu_info.choose(cpu_info.read() if cpu is None else cpu, xla_flags, platform)
+      node[leaf] = choice[0]
+      why[key] = f'auto: {choice[1]}'
+  groups = {}
+  for key in PATH_KEYS:
+    groups.setdefault((_get(config, key), why[key]), []).append(key)
+  parts = [f'{value} for {" and ".join(keys)} ({reason})' for (value, reason), keys in
+           groups.items()]
+  return 'compute path: ' + '; '.join(parts)
 
 
 def caption_kind(config: ml_collections.ConfigDict) -> str:

@@ -79,6 +79,8 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise errors.UserError(f'--workdir {workdir} is a file, not a directory; give the directory '
                            'of a run (a new one is created)')
+  # 'auto' bf16 switches -> bfloat16 or float32, once; the run's config.json records the result
+  print(config_lib.resolve_compute_path(config, workdir), flush=True)
   if mode == 'evaluate':
     return _evaluate(config, workdir, split, which)
   config_lib.check_saved_config(config, workdir)  # a run of another setup: before any build

@@ -37,6 +37,7 @@ STEP_TOL = 1e-5     # max |ours - original| of the parameters after one update
 def _config(io, fused: bool):
   """The CLEVR paper preset with the fixture's sizes."""
   config = clevr_change.get_config('paper')
+  config.compute_dtype = config.tokenizer.frozen_dtype = 'float32'  # the original's precision
   m = config.pretrain.model
   m.width, m.depth, m.heads = int(io['width']), int(io['depth']), int(io['heads'])
   m.text_len, m.text_vocab_size = int(io['text_len']), int(io['text_vocab_size'])

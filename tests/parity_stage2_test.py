@@ -50,6 +50,7 @@ STEP_TOLERANCE = 1e-5  # parameters after the optimiser step: max |ours - origin
 def config_for(meta: dict, word2idx: str):
   """The paper preset resized to the fixture's model (its code paths are the original's)."""
   config = clevr_change.get_config('paper')
+  config.compute_dtype = config.tokenizer.frozen_dtype = 'float32'  # the original's precision
   s = meta['sizes']
   p = config.pretrain.model
   p.width, p.depth, p.heads, p.mlp_ratio = s['width'], s['depth'], s['heads'], 4

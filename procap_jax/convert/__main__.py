@@ -171,6 +171,7 @@ def convert(config, workdir: str, kind: str, source: str, stage1: str = '',
   if kind not in KINDS:
     raise errors.UserError(f'unknown conversion {kind!r}; choose one of {", ".join(KINDS)}')
   config_lib.validate(config)
+  print(config_lib.resolve_compute_path(config, workdir), flush=True)
   if kind == 'clip':
     state = init.read(source, 'the CLIP file', config, warn=False)
     check_kind('clip', 'pretrain', source, state)
