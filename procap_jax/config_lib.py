@@ -136,17 +136,11 @@ def resolve_compute_path(config: ml_collections.ConfigDict, workdir: str | None 
                          platform: str | None = None) -> str:
   """Replaces 'auto' in PATH_KEYS by 'bfloat16' or 'float32', in place; returns the log line.
 
-  Rule, per key: a value set in the config ('float32', 'bfloat16') is kept; 'auto' takes the
-  value the run in `workdir` saved in its config.json (a resumed or evaluated run computes as it
-  started, also on another CPU), else `cpu_info.choose`: bfloat16 where the CPU has bf16 dot
-  products and XLA_FLAGS does not cap XLA:CPU below them, float32 elsewhere and on accelerators.
-  The config.json written afterwards holds the resolved values.
-
-  Args:
-    config: a validated config (not locked against value changes).
-    workdir: the run's folder, or None.
-    cpu, xla_flags, platform: for tests (default: /proc/cpuinfo, $XLA_FLAGS, JAX's backend,
-      which is asked only when a value is 'auto' and no saved one applies).
+  Per key: a value set in the config is kept; 'auto' takes the value the run in `workdir` (None:
+  no run) saved in its config.json, so a resumed or evaluated run computes as it started, also
+  on another CPU; else `cpu_info.choose` (bfloat16 only on a CPU with bf16 dot products not
+  capped away by XLA_FLAGS). `cpu`, `xla_flags`, `platform`: for tests (default /proc/cpuinfo,
+  $XLA_FLAGS, JAX's backend, asked only when a value is left to choose).
   """
   saved = _saved_values(workdir)
   choice = None
