@@ -197,6 +197,11 @@ def test_cpu_preset_runs_every_stage_and_scores_change_and_no_change_apart(levir
   config = levir_config.get_config('cpu')
   config.data.data_dir = os.fspath(builder.data_dir_root)  # the shared build is reused
   config.data.manual_dir = os.fspath(man)
+  for stage in ('tokenizer', 'pretrain', 'caption'):  # the preset's 4 steps, halved for CI
+    train = config[stage].train
+    train.steps = train.log_every = train.eval_every = train.checkpoint_every = 2
+  config.report.gallery_per_type = 1
+  config.pretrain.model.depth = config.caption.model.layers = 1  # less to compile
   results = main.run(config, os.fspath(tmp_path))
   assert results['split'] == 'test' and results['dataset'] == 'levir_cc/tiny32'
   metrics = results['metrics']
@@ -206,3 +211,27 @@ def test_cpu_preset_runs_every_stage_and_scores_change_and_no_change_apart(levir
     assert json.load(f)['metrics'] == pytest.approx(metrics)
   report = (tmp_path / 'report.html').read_text(encoding='utf-8')
   assert '<td>change</td>' in report and '<td>no_change</td>' in report
+
+
+def test_paper_preset_is_the_paper_model_at_256_px(monkeypatch):
+  """`paper`: the builder's 256 px, a 16 x 16 token grid, the original's switches and CLIP BPE
+  text (validates without a merges file on the machine); `cpu`: the smoke switches and words."""
+  from configs import levir_cc as levir_config
+  from procap_jax import config_lib
+  from procap_jax.data import bpe
+  monkeypatch.setattr(bpe, 'PACKAGES_WITH_MERGES', ('procap_missing_pkg',))
+  paper, cpu = levir_config.get_config('paper'), levir_config.get_config('cpu')
+  config_lib.validate(paper)
+  config_lib.validate(cpu)
+  sizes = {c.name: c.image_size for c in levir_cc.Builder.BUILDER_CONFIGS}
+  assert sizes[paper.data.builder_config] == paper.data.image_size == 256
+  assert sizes[cpu.data.builder_config] == cpu.data.image_size == 32
+  assert paper.tokenizer.model.resolution == 256 and tuple(paper.pretrain.model.grid) == (16, 16)
+  assert not paper.tokenizer.init_drop_unused_attention  # 256 px has the 16 px attention level
+  p, c = paper.pretrain.model, paper.caption.model
+  assert (p.width, p.depth, p.heads, c.hidden, c.layers) == (768, 12, 12, 512, 2)
+  assert paper.caption.train.steps == 40 * 213 and paper.data.encoder_text == 'clip_bpe'
+  switches = lambda c: (c.pretrain.model.frame_difference, c.pretrain.model.embedding_std,
+                        c.pretrain.binary_inputs)
+  assert switches(paper) == ('none', 1.0, 'masked')
+  assert switches(cpu) == ('before', 0.02, 'visible') and cpu.data.encoder_text == 'words'
