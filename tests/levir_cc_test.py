@@ -138,6 +138,27 @@ def test_side_files(levir):
   assert 'house' in built.word2idx and 'middle' not in built.word2idx  # 12 times vs 3
 
 
+def test_change_and_no_change_pairs_are_scored_apart(levir):
+  """The stored changeflag picks the pairs of the change / no-change scores: a captioner that
+  says "no change" everywhere is perfect on the no-change pairs only."""
+  from procap_jax import evaluation
+  from procap_jax.tasks import caption
+  builder, _, entries = levir
+  info = [{'pair_id': _text(r['pair_id']), 'change_type': int(r['change_type']),
+           'captions': [_text(c) for c in r['captions']]} for r in _records(builder, 'test')]
+  references = {r['pair_id']: r['captions'] for r in info}
+  predictions = {i: NO_CHANGE[0] for i in references}
+  groups = caption.change_groups(info, predictions)
+  flags = {e['filename']: e['changeflag'] for e in entries}
+  assert groups['change'] == [i for i in references if flags[i] == 1] == groups['other']
+  assert groups['no_change'] == [i for i in references if flags[i] == 0] == groups['none']
+  scores = evaluation.score_captions(predictions, references, groups=groups, use_meteor=False,
+                                     use_spice=False)
+  assert scores['no_change']['Bleu_4'] == pytest.approx(1.0)
+  assert scores['change']['Bleu_4'] < 0.1 and scores['change']['CIDEr'] < 0.1
+  assert scores['all']['change_decision'] == 0.5  # right on the 2 no-change pairs of 4
+
+
 def _broken(tmp_path, change) -> str:
   entries = _entries()[:6] + _entries()[8:10] + _entries()[12:14]  # every split, 10 pairs
   change(entries)
