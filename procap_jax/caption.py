@@ -262,14 +262,29 @@ class Captioner:
     tokenizer = vqgan.frozen_from_config(self.config)
     settings = config_lib.decoding_settings(self.config)
 
+    self.model, self.tokenizer = model, tokenizer
+
     def caption_ids(params, tokenizer_params, before, after):  # uint8 [B, S, S, 3] -> [B, L]
-      n = before.shape[0]
-      x = jax.numpy.concatenate([before, after]).astype(jax.numpy.float32) / 255.0
-      feats = tokenizer.encode_features(tokenizer_params, x)  # [2B, h, w, C]
-      return captioner_lib.generate(model, params, feats[:n], feats[n:], **settings)
+      feats_b, feats_a = self.features(tokenizer_params, before, after)
+      return captioner_lib.generate(model, params, feats_b, feats_a, **settings)
 
     self._ids = jax.jit(caption_ids)
     self._params = jax.device_put((params, tokenizer_params))
+
+  @property
+  def params(self) -> tuple[Any, Any]:
+    """(caption params, tokenizer params) on the device, for more functions of `model` (the
+    demo's imagined frames and sentence probabilities, `procap_jax.demo`)."""
+    return self._params
+
+  def features(self, tokenizer_params, before, after):
+    """The frozen tokenizer's features [B, h, w, C] of uint8 before and after images
+    [B, S, S, 3], from one tokenizer call: the model's inputs (jit the caller)."""
+    import jax.numpy as jnp
+    n = before.shape[0]
+    x = jnp.concatenate([before, after]).astype(jnp.float32) / 255.0
+    feats = self.tokenizer.encode_features(tokenizer_params, x)  # [2B, h, w, C]
+    return feats[:n], feats[n:]
 
   @property
   def image_size(self) -> int:
