@@ -27,11 +27,11 @@ import argparse
 import base64
 import binascii
 import email.parser
+import errno
 import email.policy
 import http.server
 import io
 import json
-import socket
 import sys
 import threading
 import traceback
@@ -108,16 +108,22 @@ class DemoServer(http.server.ThreadingHTTPServer):
 
   daemon_threads = True
 
-  def __init__(self, demo, address: tuple[str, int], max_bytes: int):
-    from procap_jax.demo import page
-    self.demo, self.max_bytes = demo, int(max_bytes)
+  def __init__(self, address: tuple[str, int], max_bytes: int):
+    """Binds `address` (the model comes later, `attach`: a port in use fails at once)."""
+    self.demo, self.max_bytes = None, int(max_bytes)
     self.lock = threading.Lock()
+    self.examples_json, self.page = [], b''
+    super().__init__(address, Handler)
+
+  def attach(self, demo) -> None:
+    """Serves `demo` (a `captioning.Demo`): its page and examples are made here, once."""
+    from procap_jax.demo import page
+    self.demo = demo
     self.examples_json = [
         {'pair_id': e.pair_id, 'change_type': e.change_type, 'references': list(e.references),
          'before': png_data_url(e.before), 'after': png_data_url(e.after)}
         for e in demo.examples]
     self.page = page.render(demo, self.examples_json, self.max_bytes).encode('utf-8')
-    super().__init__(address, Handler)
 
   def caption(self, before: bytes, after: bytes) -> dict:
     notices = []
@@ -223,20 +229,24 @@ def make_server(workdir: str, port: int = 8000, host: str = '127.0.0.1', which: 
   if examples < 0:
     raise errors.UserError(f'--examples must be 0 or more, got {examples}')
   caption.check_run(workdir, which)  # a wrong --workdir fails before the slow part
-  from procap_jax.demo import captioning
-  demo = captioning.Demo(workdir, which, examples)
-  blank = np.zeros((demo.image_size, demo.image_size, 3), np.uint8)
-  demo.run(blank, blank)  # compiles now, so the first visitor does not wait
   try:
-    return DemoServer(demo, (host, port), int(max_mb * 1e6))
+    server = DemoServer((host, port), int(max_mb * 1e6))
   except OSError as e:
-    if e.errno in (98, 48):  # EADDRINUSE (Linux, macOS)
-      raise errors.UserError(f'port {port} on {host} is in use; pass another --port (0 picks '
-                             'a free one)') from None
-    if isinstance(e, socket.gaierror) or e.errno in (99, 49):
-      raise errors.UserError(f'cannot listen on {host}: {e.strerror}; pass --host 127.0.0.1 '
-                             'or an address of this machine') from None
+    if e.errno in (errno.EADDRINUSE, errno.EACCES):
+      raise errors.UserError(f'cannot listen on port {port} of {host} ({e.strerror}); pass '
+                             'another --port (0 picks a free one)') from None
+    raise errors.UserError(f'cannot listen on {host} ({e.strerror}); pass --host 127.0.0.1 '
+                           'or an address of this machine') from None
+  try:
+    from procap_jax.demo import captioning
+    demo = captioning.Demo(workdir, which, examples)
+    blank = np.zeros((demo.image_size, demo.image_size, 3), np.uint8)
+    demo.run(blank, blank)  # compiles now, so the first visitor does not wait
+    server.attach(demo)
+  except BaseException:
+    server.server_close()
     raise
+  return server
 
 
 @errors.exit_on_user_error
