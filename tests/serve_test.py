@@ -173,18 +173,21 @@ def _stepwise_no_change_probability(demo, before, after) -> float:
   return total
 
 
-def test_bad_requests_get_one_sentence(server):
+def test_bad_requests_get_one_sentence(server, fault):
   good = _png(np.zeros((40, 40, 3), np.uint8))
   status, got = _post_files(server, before=b'not an image at all', after=good)
   assert status == 400
   assert got['error'].startswith('the before image is not an image'), got
   assert '\n' not in got['error'] and set(got) == {'error'}
+  fault('demo service', 'a text file posted as the before image', f'{status} {got["error"]}')
   status, got = _post_files(server, before=good)
   assert (status, got) == (400, {'error': 'the request has no after image; send both fields, '
                                           'before and after'})
+  fault('demo service', 'a request with one image', f'{status} {got["error"]}')
   big = np.random.default_rng(0).integers(0, 256, (500, 500, 3), dtype=np.uint8)  # ~750 kB
   status, got = _post_files(server, before=_png(big), after=good)
   assert status == 413 and f'above the limit of {MAX_MB:g} MB' in got['error'], got
+  fault('demo service', f'a request above --max_mb {MAX_MB:g}', f'{status} {got["error"]}')
   status, got = _request(server + '/caption', b'{"before": 1}', 'application/json')
   assert status == 400 and 'base64' in got['error']
   status, got = _request(server + '/caption', b'before=x', 'application/x-www-form-urlencoded')
