@@ -237,6 +237,11 @@ class Captioner:
         global cache options).
     """
     self.config = check_run(workdir, which)
+    if config_lib.caption_kind(self.config) != 'procap':
+      raise errors.UserError(
+          f'{workdir} holds a {config_lib.caption_kind(self.config).upper()} run; the caption '
+          'command and the demo caption with ProCap runs only (evaluate this one with python -m '
+          'procap_jax.main --mode evaluate)')
     self.workdir, self.batch_size, self.notify = workdir, int(batch_size), notify
     cache_dir = os.path.join(workdir, CACHE_DIR)
     if cache:

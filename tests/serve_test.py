@@ -215,6 +215,28 @@ def test_a_run_that_is_not_there_is_one_sentence(tmp_path, capsys):
   assert err.startswith('error: workdir') and 'does not exist' in err and '\n' not in err
 
 
+def test_a_duda_run_is_refused_in_one_sentence(tmp_path, capsys):
+  """DUDA runs have no procedure queries, and the Captioner serves ProCap runs only: refused
+  before any model is built (the run here is a config.json and empty checkpoint folders)."""
+  from configs import synthetic
+  from procap_jax import config_lib
+  from procap_jax import serve
+  config = synthetic.get_config('tiny,duda')
+  config.caption.model.vocab_size = config.pretrain.model.text_vocab_size = 37
+  config.data.word2idx_file = str(tmp_path / 'word2idx.json')
+  (tmp_path / 'word2idx.json').write_text('{}')
+  workdir = tmp_path / 'run'
+  config_lib.check_workdir(config, str(workdir))
+  for stage in ('caption', 'tokenizer'):
+    (workdir / stage / 'best' / '20').mkdir(parents=True)
+  with pytest.raises(SystemExit) as e:
+    serve.main(['--workdir', str(workdir), '--port', '0'])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == (
+      f'error: {workdir} holds a DUDA run; the caption command and the demo caption with ProCap '
+      'runs only (evaluate this one with python -m procap_jax.main --mode evaluate)')
+
+
 def _browser() -> str | None:
   for name in ('chromium', 'chromium-browser', 'google-chrome'):
     if shutil.which(name):
