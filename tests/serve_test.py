@@ -207,21 +207,16 @@ def test_page_offers_examples_and_says_what_the_probability_is(server):
 
 
 def test_a_run_that_is_not_there_is_one_sentence(tmp_path, capsys):
-  from procap_jax import serve
-  with pytest.raises(SystemExit) as e:
-    serve.main(['--workdir', str(tmp_path / 'missing'), '--port', '0'])
-  assert e.value.code == 2
-  err = capsys.readouterr().err.strip()
-  assert err.startswith('error: workdir') and 'does not exist' in err and '\n' not in err
+  err = _exit_sentence(capsys, ['--workdir', str(tmp_path / 'missing'), '--port', '0'])
+  assert err.startswith('error: workdir') and 'does not exist' in err
 
 
-def test_a_duda_run_is_refused_in_one_sentence(tmp_path, capsys):
-  """DUDA runs have no procedure queries, and the Captioner serves ProCap runs only: refused
-  before any model is built (the run here is a config.json and empty checkpoint folders)."""
+def _fake_run(tmp_path, preset: str) -> pathlib.Path:
+  """A run's config.json, vocabulary file and empty checkpoint folders: what the checks made
+  before loading a model look at."""
   from configs import synthetic
   from procap_jax import config_lib
-  from procap_jax import serve
-  config = synthetic.get_config('tiny,duda')
+  config = synthetic.get_config(preset)
   config.caption.model.vocab_size = config.pretrain.model.text_vocab_size = 37
   config.data.word2idx_file = str(tmp_path / 'word2idx.json')
   (tmp_path / 'word2idx.json').write_text('{}')
@@ -229,12 +224,38 @@ def test_a_duda_run_is_refused_in_one_sentence(tmp_path, capsys):
   config_lib.check_workdir(config, str(workdir))
   for stage in ('caption', 'tokenizer'):
     (workdir / stage / 'best' / '20').mkdir(parents=True)
+  return workdir
+
+
+def _exit_sentence(capsys, argv) -> str:
+  from procap_jax import serve
   with pytest.raises(SystemExit) as e:
-    serve.main(['--workdir', str(workdir), '--port', '0'])
+    serve.main(argv)
   assert e.value.code == 2
-  assert capsys.readouterr().err.strip() == (
+  err = capsys.readouterr().err.strip()
+  assert '\n' not in err
+  return err
+
+
+def test_a_duda_run_is_refused_in_one_sentence(tmp_path, capsys):
+  """DUDA runs have no procedure queries, and the Captioner serves ProCap runs only: refused
+  before any model is built."""
+  workdir = _fake_run(tmp_path, 'tiny,duda')
+  assert _exit_sentence(capsys, ['--workdir', str(workdir), '--port', '0']) == (
       f'error: {workdir} holds a DUDA run; the caption command and the demo caption with ProCap '
       'runs only (evaluate this one with python -m procap_jax.main --mode evaluate)')
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path, capsys):
+  import socket
+  workdir = _fake_run(tmp_path, 'tiny')  # no checkpoint to load: the port is checked first
+  with socket.socket() as taken:
+    taken.bind(('127.0.0.1', 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    err = _exit_sentence(capsys, ['--workdir', str(workdir), '--port', str(port)])
+  assert err.startswith(f'error: cannot listen on port {port} of 127.0.0.1 (')
+  assert err.endswith('pass another --port (0 picks a free one)')
 
 
 def _browser() -> str | None:
