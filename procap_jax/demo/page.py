@@ -24,8 +24,8 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:16px;margin:18px 0 6px}
 #error{color:#b00;font-weight:bold;min-height:1em}
 #result{border:1px solid #ddd;border-radius:6px;padding:10px;margin-top:6px}
 #caption{font-size:20px;font-weight:bold}
-#frames img{width:120px;height:120px;image-rendering:pixelated;margin:4px 4px 0 0;
-  outline:2px solid #e80}
+#frames img{width:120px;height:120px;image-rendering:pixelated;margin:4px 6px 0 0}
+#frames img.imagined{outline:2px solid #e80}
 .note{color:#555;font-size:12px}
 #examples button{border:1px solid #ccc;background:#fff;border-radius:4px;margin:0 6px 6px 0;
   padding:4px;cursor:pointer;font-size:11px}
@@ -94,7 +94,16 @@ async function submit() {
   show(answer);
 }
 
-function percent(p) { return (100 * p).toFixed(1) + ' %'; }
+function percent(p) {  // small probabilities keep two significant digits
+  return (p >= 0.001 ? (100 * p).toFixed(1) : (100 * p).toPrecision(2)) + ' %';
+}
+
+function picture(src, title, imagined) {
+  const img = document.createElement('img');
+  img.src = src; img.title = title; img.alt = title;
+  if (imagined) img.className = 'imagined';
+  return img;
+}
 
 function show(r) {
   $('status').textContent = '';
@@ -104,13 +113,17 @@ function show(r) {
       ? '(no probability: the run knows no no-change sentence)'
       : 'with probability ' + percent(r.decision_probability) +
         ' (no change: ' + percent(r.no_change_probability) + ')';
-  const frames = $('frames');
-  frames.replaceChildren(...r.frames.map((src, i) => {
-    const img = document.createElement('img');
-    img.src = src; img.title = 'imagined frame ' + (i + 1); img.alt = img.title;
-    return img;
-  }));
-  $('frames-note').textContent = r.frames_note + '.';
+  const note = r.frames_note.charAt(0).toUpperCase() + r.frames_note.slice(1) + '.';
+  if (r.frames.length) {
+    $('frames').replaceChildren(
+        picture($('img-before').src, 'before', false),
+        ...r.frames.map((src, i) => picture(src, 'imagined frame ' + (i + 1), true)),
+        picture($('img-after').src, 'after', false));
+    $('frames-note').textContent = 'Before, after and, in orange, ' + r.frames_note + '.';
+  } else {
+    $('frames').replaceChildren();
+    $('frames-note').textContent = note;
+  }
   $('notices').textContent = r.notices.join('; ');
   $('result').hidden = false;
 }
@@ -176,7 +189,7 @@ def render(demo, examples: list[dict], max_bytes: int) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>procap-jax demo: {html.escape(run)}</title>
 <style>{_STYLE}</style></head><body>
 <h1>procap-jax change captioning demo</h1>
-<p class="run">Run {html.escape(run)}: {html.escape(config.data.name)}
+<p class="run">Workdir <code>{html.escape(run)}</code>: {html.escape(config.data.name)}
 ({html.escape(config.data.builder_config)}), {html.escape(demo.kind)} captioner, caption
 checkpoint step {demo.captioner.step}; images are resized to {demo.image_size} x
 {demo.image_size} px.</p>
