@@ -153,8 +153,10 @@ def _stepwise_no_change_probability(demo, before, after) -> float:
 
   @jax.jit
   def start(before, after):
-    feats_b, feats_a = demo.captioner.features(tokenizer_params, before[None], after[None])
-    memory = model.apply(variables, feats_b, feats_a, method='encode')
+    inputs_b, inputs_a = demo.captioner.features(tokenizer_params, before[None], after[None])
+    if demo.kind == 'duda':
+      return model.apply(variables, inputs_b, inputs_a, method='init_cache')
+    memory = model.apply(variables, inputs_b, inputs_a, method='encode')
     return model.apply(variables, memory, method='init_cache')
 
   @jax.jit
@@ -237,13 +239,28 @@ def _exit_sentence(capsys, argv) -> str:
   return err
 
 
-def test_a_duda_run_is_refused_in_one_sentence(tmp_path, capsys):
-  """DUDA runs have no procedure queries, and the Captioner serves ProCap runs only: refused
-  before any model is built."""
-  workdir = _fake_run(tmp_path, 'tiny,duda')
-  assert _exit_sentence(capsys, ['--workdir', str(workdir), '--port', '0']) == (
-      f'error: {workdir} holds a DUDA run; the caption command and the demo caption with ProCap '
-      'runs only (evaluate this one with python -m procap_jax.main --mode evaluate)')
+def test_a_duda_run_is_served_without_frames(tiny_data_dir, tmp_path):
+  """DUDA (the field's baseline, here on image patches: no tokenizer) has no procedure queries:
+  the demo captions with it and says so instead of frames."""
+  from configs import synthetic
+  from procap_jax.demo import captioning
+  from procap_jax.demo import page
+  config = synthetic.get_config('tiny,duda_patches')
+  config.data.data_dir = tiny_data_dir
+  t = config.caption.train  # two steps: a DUDA run to serve, not a captioner to judge
+  t.steps = t.eval_every = t.checkpoint_every = 2
+  t.log_every, t.eval_batches = 1, 1
+  main.run(config, str(tmp_path))
+  demo = captioning.Demo(str(tmp_path), examples=2)
+  example = demo.examples[0]
+  b, a = demo.image(_png(example.before), 'b', print), demo.image(_png(example.after), 'a', print)
+  result = demo.run(b, a)
+  assert result.caption == demo.captioner(b, a) and result.caption
+  assert result.frames == ()
+  assert result.frames_note.startswith("this run's captioner, DUDA, has no procedure queries")
+  assert result.no_change_probability == pytest.approx(
+      _stepwise_no_change_probability(demo, b, a), rel=1e-3)
+  assert 'duda captioner' in page.render(demo, [], 10**6)
 
 
 def test_a_port_in_use_fails_before_the_model_loads(tmp_path, capsys):

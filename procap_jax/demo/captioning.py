@@ -103,8 +103,8 @@ class Demo:
     self.captioner = caption.Captioner(workdir, which, batch_size=1)
     self.config = config = self.captioner.config
     self.workdir = workdir
-    self.kind = config_lib.caption_kind(config)  # 'procap': Captioner refuses DUDA runs
-    self.imagines = bool(config.caption.model.use_queries)
+    self.kind = config_lib.caption_kind(config)
+    self.imagines = bool(config.caption.model.use_queries) and self.kind == 'procap'
     self.examples, references = read_test_split(config, workdir, examples)
     # The sequences the model is scored on: each no-change reference as training encoded it,
     # kept when the vocabulary writes all its words (no [UNK]) within the caption length.
@@ -176,6 +176,9 @@ class Demo:
     if self.imagines:
       return ('the frames the procedure queries imagine between before and after (their '
               'outputs through the stage-1 token head, decoded by the tokenizer)')
+    if self.kind != 'procap':
+      return (f'this run\'s captioner, {self.kind.upper()}, has no procedure queries, so it '
+              'imagines no frames')
     return ('this run\'s captioner has no procedure queries (caption.model.use_queries is off: '
             'the static or no-queries variant), so it imagines no frames')
 
