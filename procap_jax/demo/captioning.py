@@ -28,7 +28,7 @@ test pairs too: the first pair of each change type in record order, then the nex
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -111,9 +111,8 @@ class Demo:
     vocab, max_len = self.captioner.vocab, int(config.caption.model.max_len)
     sequences, self.no_change_sentences = {}, []
     for sentence in references:
-      ids = vocab.encode_decoder(sentence, max_len)
-      words = ids[1:1 + len(vocab_lib.tokenize(sentence))]
-      fits = len(vocab_lib.tokenize(sentence)) <= max_len - 2 and not np.any(words == vocab_lib.UNK)
+      ids, n = vocab.encode_decoder(sentence, max_len), len(vocab_lib.tokenize(sentence))
+      fits = n <= max_len - 2 and not np.any(ids[1:1 + n] == vocab_lib.UNK)
       if fits and tuple(ids) not in sequences and len(sequences) < MAX_SENTENCES:
         sequences[tuple(ids)] = ids
         self.no_change_sentences.append(vocab.decode(ids))
