@@ -76,9 +76,9 @@ def tiny_config(tiny_data_dir):
 # take whole files in collection order (pyproject.toml's --no-loadscope-reorder keeps this
 # order; without it xdist sorts files by their number of tests), so a long file left for the
 # end would run alone while the other worker idles.
-_SLOW_FILES_FIRST = ('real_builders_test.py', 'end_to_end_test.py', 'multihost_test.py',
-                     'paper_preset_test.py', 'train_sharding_test.py',
-                     'reliability_train_test.py', 'init_from_test.py', 'duda_test.py',
+_SLOW_FILES_FIRST = ('end_to_end_test.py', 'real_builders_test.py', 'multihost_test.py',
+                     'train_sharding_test.py', 'paper_preset_test.py',
+                     'reliability_train_test.py', 'duda_test.py', 'init_from_test.py',
                      'convert_procap_test.py')
 
 
