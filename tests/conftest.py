@@ -78,8 +78,8 @@ def tiny_config(tiny_data_dir):
 # end would run alone while the other worker idles.
 _SLOW_FILES_FIRST = ('end_to_end_test.py', 'real_builders_test.py', 'multihost_test.py',
                      'train_sharding_test.py', 'paper_preset_test.py',
-                     'reliability_train_test.py', 'duda_test.py', 'init_from_test.py',
-                     'convert_procap_test.py')
+                     'reliability_train_test.py', 'duda_test.py', 'levir_cc_test.py',
+                     'init_from_test.py', 'convert_procap_test.py')
 
 
 def pytest_collection_modifyitems(session, config, items):
