@@ -144,7 +144,7 @@ def _trained(workdir: str, images: int) -> tuple:
   from procap_jax import caption
   from procap_jax import checkpointing
   from procap_jax.data import pipeline
-  from procap_jax.tasks import encodings
+  from procap_jax.models import encodings
   config = caption.load_run_config(workdir)
   params = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
   frames = []

@@ -22,7 +22,7 @@ from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import procedure_encoder
 from procap_jax.tasks import caption
 from procap_jax.tasks import caption_optimizer
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 # ------------------------------------------------------------------ loss
 

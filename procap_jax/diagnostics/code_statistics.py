@@ -28,7 +28,7 @@ import numpy as np
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 from procap_jax.tasks import pretrain
 from procap_jax.tasks import tokenizer
 

@@ -60,7 +60,7 @@ from procap_jax import errors
 from procap_jax.data import datasets
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 SPLITS = ('train', 'val', 'test')
 CHANGES = ('color', 'material', 'add', 'drop', 'move')

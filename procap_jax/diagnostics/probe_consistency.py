@@ -56,7 +56,7 @@ from procap_jax.diagnostics import probe_change
 from procap_jax.diagnostics import probe_training
 from procap_jax.diagnostics import records
 from procap_jax.tasks import corruptions
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 from procap_jax.tasks import pretrain
 
 

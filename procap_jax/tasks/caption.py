@@ -46,7 +46,7 @@ from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import duda as duda_lib
 from procap_jax.models import vqgan
 from procap_jax.tasks import caption_optimizer
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 # Stage-1 heads that stay frozen in stage 2 (the original's `skip_params`, spec 5.1).
 # The axial frame-position table of the encoder ([T, 1, 1, D]); see `restore_pretrained_encoder`.

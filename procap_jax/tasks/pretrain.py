@@ -40,7 +40,7 @@ from procap_jax.models import procedure_encoder
 from procap_jax.models import vqgan
 from procap_jax.data import feature_cache
 from procap_jax.tasks import corruptions
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 from procap_jax.tasks import masking
 
 BINARY_INPUTS = ('masked', 'visible')  # what the match and consistency heads judge
