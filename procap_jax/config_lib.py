@@ -383,18 +383,3 @@ def check_run(workdir: str, which: str = 'best',
         f'no {stage} checkpoint in {where}; finish training this run first (python -m '
         f'procap_jax.main --config <its config> --workdir {workdir}) or {_RUN_HINT}')
   return saved
-
-
-def check_dataset_built(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """UserError when the dataset `config` reads is not built (evaluation scores one of its
-  splits, and builds nothing: generating the synthetic `small` benchmark takes 40-60 minutes)."""
-  from procap_jax.data import datasets  # TFDS: a second or two, only when evaluating
-  name, bc = config.data.name, config.data.builder_config
-  ddir = config.data.data_dir or os.path.join(workdir, 'data')
-  if datasets.is_prepared(name, bc, ddir):
-    return
-  how = ('with --mode build (the same --config and --workdir)' if name == 'synthetic_change'
-         else f'with --mode build --config.data.manual_dir=<folder> (see tfds_builders/{name}/'
-         'README.md)')
-  raise errors.UserError(f'the {name}/{bc} dataset this run is evaluated on is not built in '
-                         f'{ddir}; build it first {how}, then evaluate')

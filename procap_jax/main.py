@@ -110,7 +110,8 @@ def _evaluate(config, workdir: str, split: str, which: str) -> dict:
     raise errors.UserError(f'--split {split} is not a split; choose one of '
                            f'{", ".join(config_lib.EVAL_SPLITS)}')
   config_lib.check_run(workdir, which, config)
-  config_lib.check_dataset_built(config, workdir)
+  from procap_jax.data import datasets  # lazy: TFDS, a second or two; only evaluate checks it
+  datasets.check_built(config, workdir)
 
   from procap_jax import stages
   from procap_jax.data import pipeline
