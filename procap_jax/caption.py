@@ -62,26 +62,8 @@ from procap_jax.data import pairing
 ImageInput = Any  # a path (str / os.PathLike), encoded bytes, a PIL image or a uint8 array
 
 
-# Config keys added after runs were saved, with the value that reproduces what those runs did.
-ADDED_LATER = {('data', 'encoder_text'): 'words', ('data', 'bpe_merges_file'): ''}
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run);
-  keys newer than the run get the value that reproduces it (ADDED_LATER)."""
-  saved = _tuples(config_lib.read_saved_config(workdir))
-  for (section, key), value in ADDED_LATER.items():
-    if isinstance(saved.get(section), dict):
-      saved[section].setdefault(key, value)
-  return ml_collections.ConfigDict(saved)
-
-
-def _tuples(x):
-  if isinstance(x, dict):
-    return {k: _tuples(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return tuple(_tuples(v) for v in x)
-  return x
+ADDED_LATER = config_lib.ADDED_LATER  # these two names live in config_lib; kept here for callers
+load_run_config = config_lib.load_run_config
 
 
 def vocab_path(config: ml_collections.ConfigDict, workdir: str) -> str:

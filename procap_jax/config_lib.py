@@ -340,6 +340,28 @@ def read_saved_config(workdir: str) -> dict:
   return raw
 
 
+# Config keys added after runs were saved, with the value that reproduces what those runs did.
+ADDED_LATER = {('data', 'encoder_text'): 'words', ('data', 'bpe_merges_file'): ''}
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run);
+  keys newer than the run get the value that reproduces it (ADDED_LATER)."""
+  saved = _tuples(read_saved_config(workdir))
+  for (section, key), value in ADDED_LATER.items():
+    if isinstance(saved.get(section), dict):
+      saved[section].setdefault(key, value)
+  return ml_collections.ConfigDict(saved)
+
+
+def _tuples(x):
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  return x
+
+
 def checkpoint_dir(workdir: str, stage: str, which: str = 'best') -> str | None:
   """The folder `checkpointing.load_stage_variables` restores `stage` from, or None.
 
