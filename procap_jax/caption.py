@@ -79,7 +79,7 @@ def vocab_path(config: ml_collections.ConfigDict, workdir: str) -> str:
                    (os.listdir(base) if os.path.isdir(base) else ())
                    if os.path.isfile(os.path.join(base, v, 'word2idx.json')))
     if len(found) > 1:  # several dataset versions: the builder knows which one the run read
-      from procap_jax.data import pipeline
+      from procap_jax.data import pipeline  # lazy: start-up (captioner ~4 s)
       return os.path.join(pipeline.dataset_dir(config, workdir), 'word2idx.json')
     path = found[0] if found else os.path.join(base, '<version>', 'word2idx.json')
   if not os.path.isfile(path):
@@ -102,7 +102,7 @@ def check_run(workdir: str, which: str = 'best') -> ml_collections.ConfigDict:
 
 def _build_model(config: ml_collections.ConfigDict):
   """The run's Captioner (`models.captioner.from_config`, as training builds it)."""
-  from procap_jax.models import captioner as captioner_lib
+  from procap_jax.models import captioner as captioner_lib  # lazy: start-up (captioner ~4 s)
   return captioner_lib.from_config(config)
 
 
@@ -172,7 +172,7 @@ def load_parameters(workdir: str, which: str = 'best', config=None,
         return _nested(flat, 'caption'), _nested(flat, 'tokenizer'), int(flat.pop('step'))
     except (OSError, ValueError, KeyError):
       pass  # unreadable (e.g. cut by a full disk): restore and write it again
-  from procap_jax import checkpointing
+  from procap_jax import checkpointing  # lazy: start-up (captioner ~4 s)
   meta = checkpointing.read_meta(workdir, 'caption', which)
   if meta:
     checkpointing.check_config_compatible(meta.get('config'), config or load_run_config(workdir),
@@ -230,9 +230,9 @@ class Captioner:
     if cache:
       _use_compilation_cache(os.path.join(cache_dir, 'xla'))
     import jax
-    from procap_jax.data import vocab as vocab_lib
-    from procap_jax.models import captioner as captioner_lib
-    from procap_jax.models import vqgan
+    from procap_jax.data import vocab as vocab_lib  # lazy: start-up (captioner ~4 s)
+    from procap_jax.models import captioner as captioner_lib  # lazy: start-up (captioner ~4 s)
+    from procap_jax.models import vqgan  # lazy: start-up (captioner ~4 s)
     self.vocab = vocab_lib.Vocab.load(vocab_path(self.config, workdir))
     if self.vocab.size != self.config.caption.model.vocab_size:
       raise errors.UserError(

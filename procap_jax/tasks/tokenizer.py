@@ -58,6 +58,7 @@ from procap_jax import errors
 from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
+from procap_jax.data import pipeline
 from procap_jax.models import conv_grads
 from procap_jax.models import vqgan
 
@@ -348,7 +349,6 @@ def evaluate(state: train.TrainState, constants: Any, config: ml_collections.Con
   tc = config.tokenizer.train
   if batches is None:
     # Imported here: the input pipeline pulls in grain/cv2/TFDS, which training steps never need.
-    from procap_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     batches = pipeline.make_eval_iterator(config, split, workdir, tc.batch_size,
                                           num_batches=tc.eval_batches)
   params = {k: v for k, v in nn.meta.unbox(state.params).items() if k != 'disc'}
