@@ -61,6 +61,7 @@ from procap_jax.convert import init as convert_init
 from procap_jax.data import pipeline
 from procap_jax.models import conv_grads
 from procap_jax.models import vqgan
+from procap_jax.models import vqgan_layers
 
 PSNR_MSE_FLOOR = 1e-10  # a perfect reconstruction scores 10 * log10(1 / 1e-10) = 100 dB
 NUM_SHOWN = 8  # frames in the reconstruction PNG
@@ -79,12 +80,12 @@ class PatchDiscriminator(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = nn.leaky_relu(vqgan.conv(self.ch, 4, 'conv_0', jnp.float32, 2, 1)(x), 0.2)
-    h = vqgan.conv(2 * self.ch, 4, 'conv_1', jnp.float32, 2, 1)(h)
-    h = nn.leaky_relu(vqgan.group_norm(2 * self.ch, 'norm_1')(h), 0.2)
-    h = vqgan.conv(4 * self.ch, 3, 'conv_2', jnp.float32)(h)
-    h = nn.leaky_relu(vqgan.group_norm(4 * self.ch, 'norm_2')(h), 0.2)
-    return vqgan.conv(1, 3, 'conv_out', jnp.float32)(h)
+    h = nn.leaky_relu(vqgan_layers.conv(self.ch, 4, 'conv_0', jnp.float32, 2, 1)(x), 0.2)
+    h = vqgan_layers.conv(2 * self.ch, 4, 'conv_1', jnp.float32, 2, 1)(h)
+    h = nn.leaky_relu(vqgan_layers.group_norm(2 * self.ch, 'norm_1')(h), 0.2)
+    h = vqgan_layers.conv(4 * self.ch, 3, 'conv_2', jnp.float32)(h)
+    h = nn.leaky_relu(vqgan_layers.group_norm(4 * self.ch, 'norm_2')(h), 0.2)
+    return vqgan_layers.conv(1, 3, 'conv_out', jnp.float32)(h)
 
 
 def _discriminator(config: ml_collections.ConfigDict) -> PatchDiscriminator:
