@@ -2,8 +2,9 @@
 products), the others through the library, with `conv_grads`' backward where it is faster.
 
 Dimensions: B batch, H/W image rows/columns, C input channels, O output channels, R rows per
-band. Layout NHWC, kernels HWIO. `conv_general_dilated` is what the VQGAN's `nn.Conv` layers call
-(`vqgan_layers.conv`); measurements in docs/performance.md, "The tokenizer's convolutions in row bands".
+band. Layout NHWC, kernels HWIO. `conv_general_dilated` is what the VQGAN's `nn.Conv` layers
+call (`vqgan_layers.conv`); measurements in docs/performance.md, "The tokenizer's convolutions in
+row bands".
 """
 
 import functools
