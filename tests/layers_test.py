@@ -12,7 +12,7 @@ the layers below; the first prefix that matches a module, longest first, gives i
   scores         semantic_scores (the synthetic benchmark's grammar read back; evaluation)
   models         models/, and the stand-in batches and tokenizer of diagnostics/stand_ins
   feature cache  data/feature_cache (encodes every frame once with the frozen tokenizer)
-  blocks         convert/ (weights of the original in) and train (the one training loop)
+  blocks         convert/ (weights of the original in), train (the one training loop), train_log
   tasks          tasks/ (what differs per stage)
   configs        configs/ (one get_config per dataset x stage)
   entry points   main, stages, caption, report, ablations, convert/__main__,
@@ -42,7 +42,7 @@ LAYERS = (
     ('scores', ('procap_jax.semantic_scores',)),
     ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
     ('feature cache', ('procap_jax.data.feature_cache',)),
-    ('blocks', ('procap_jax.convert', 'procap_jax.train')),
+    ('blocks', ('procap_jax.convert', 'procap_jax.train', 'procap_jax.train_log')),
     ('tasks', ('procap_jax.tasks',)),
     ('configs', ('configs.',)),
     ('entry points', ('procap_jax.main', 'procap_jax.stages', 'procap_jax.caption',
