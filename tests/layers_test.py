@@ -5,13 +5,14 @@ function-local imports alike. The layers, bottom to top (a module may import its
 the layers below; the first prefix that matches a module, longest first, gives its layer):
 
   foundation     errors, progress, cpu_info, hostmem: no project imports but each other
-  core           config_lib, sharding, checkpointing, decoding, evaluation, java_scorers
+  core           config_lib, sharding, checkpointing, decoding, evaluation, java_scorers, token_ids
+                 (the caption vocabulary's special-token ids, which models need)
   procedure      procedure/ (frames between the pair, confidence scores, keyframe sampling)
-  data           data/ (vocabulary and token ids, BPE, images, datasets, the grain pipeline)
+  models         models/, and the stand-in batches and tokenizer of diagnostics/stand_ins
+  data           data/ (vocabulary, BPE, images, datasets, the grain pipeline, and the feature
+                 cache, which encodes every frame once with the frozen tokenizer of models/)
   builders       tfds_builders/ (the TFDS builders; they read data/ and procedure/)
   scores         semantic_scores (the synthetic benchmark's grammar read back; evaluation)
-  models         models/, and the stand-in batches and tokenizer of diagnostics/stand_ins
-  feature cache  data/feature_cache (encodes every frame once with the frozen tokenizer)
   blocks         convert/ (weights of the original in), train (the one training loop), train_log
   tasks          tasks/ (what differs per stage)
   configs        configs/ (one get_config per dataset x stage)
@@ -35,13 +36,13 @@ LAYERS = (
     ('foundation', ('procap_jax.errors', 'procap_jax.progress', 'procap_jax.cpu_info',
                     'procap_jax.hostmem')),
     ('core', ('procap_jax.config_lib', 'procap_jax.sharding', 'procap_jax.checkpointing',
-              'procap_jax.decoding', 'procap_jax.evaluation', 'procap_jax.java_scorers')),
+              'procap_jax.decoding', 'procap_jax.evaluation', 'procap_jax.java_scorers',
+              'procap_jax.token_ids')),
     ('procedure', ('procap_jax.procedure',)),
+    ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
     ('data', ('procap_jax.data',)),
     ('builders', ('tfds_builders.',)),
     ('scores', ('procap_jax.semantic_scores',)),
-    ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
-    ('feature cache', ('procap_jax.data.feature_cache',)),
     ('blocks', ('procap_jax.convert', 'procap_jax.train', 'procap_jax.train_log')),
     ('tasks', ('procap_jax.tasks',)),
     ('configs', ('configs.',)),
