@@ -1,7 +1,8 @@
 """Shared construction of the real-benchmark configs (paper size, spec table 9, and CPU smoke).
 
-Each dataset file (`clevr_change.py`, `spot_the_diff.py`, `image_editing_request.py`) calls
-`make(...)` with what differs per dataset; the schema is the synthetic config's.
+Each dataset file (`clevr_change.py`, `spot_the_diff.py`, `image_editing_request.py`,
+`levir_cc.py`) calls `make(...)` with what differs per dataset; the schema is the synthetic
+config's.
 """
 
 import ml_collections
@@ -10,8 +11,9 @@ from configs import synthetic
 
 
 def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
-         word2idx_file: str = '') -> ml_collections.ConfigDict:
-  """A full config for `dataset` at `preset` ('paper' | 'cpu')."""
+         word2idx_file: str = '', image_size: int = 224) -> ml_collections.ConfigDict:
+  """A full config for `dataset` at `preset` ('paper' | 'cpu'); `image_size` is the paper
+  preset's (the builder config `paper` of the dataset must give that size)."""
   if preset not in ('paper', 'cpu'):
     raise ValueError(f'unknown preset {preset!r} for {dataset}; choose paper or cpu')
   config = synthetic.get_config('quick' if preset == 'cpu' else 'default')
@@ -48,7 +50,7 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   # (docs/performance.md, "Which path runs"). Set either value to force it.
   config.compute_dtype = 'auto'
   config.tokenizer.frozen_dtype = 'auto'
-  d.image_size = 224
+  d.image_size = image_size
   d.encoder_text = 'clip_bpe'                    # the original's stage-1 text (spec 1.6)
   # Off at paper size: CLEVR-Change's cache would take 134 GiB in float32 (67 GiB in float16,
   # which rounds the features) and about 85 h to build on a 2-core CPU; it saves stage 1 two of
@@ -57,8 +59,10 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   d.feature_cache = False
   t = config.tokenizer.model
   t.ch, t.ch_mult, t.num_res_blocks, t.attn_resolutions = 128, (1, 1, 2, 2, 4), 2, (16,)
-  t.resolution, t.z_channels, t.embed_dim, t.n_embed = 224, 256, 256, 1024
-  config.tokenizer.init_drop_unused_attention = True  # the released VQGANs' 256 px attention
+  t.resolution, t.z_channels, t.embed_dim, t.n_embed = image_size, 256, 256, 1024
+  # The released VQGANs' attention level (16 px) has no block at 224 px: dropped there, used at
+  # 256 px.
+  config.tokenizer.init_drop_unused_attention = 16 not in [image_size >> i for i in range(5)]
   config.tokenizer.train.steps = 50_000
   config.tokenizer.train.batch_size = 16
   config.tokenizer.train.lr = 4.5e-6 * 16      # taming's base lr x batch
@@ -68,7 +72,8 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   p = config.pretrain.model
   p.width, p.depth, p.heads, p.mlp_ratio = 768, encoder_depth, 12, 4
   p.text_vocab_size = 49408                      # CLIP BPE's ids (data.encoder_text)
-  p.grid, p.feature_dim, p.codebook_size = (14, 14), 256, 1024  # T = num_keyframes + 2 = 4
+  p.grid = (image_size // 16, image_size // 16)  # f16: 14 x 14 tokens at 224 px
+  p.feature_dim, p.codebook_size = 256, 1024  # T = num_keyframes + 2 = 4
   # Speed and memory only (same values): attention for 2 (batch, head) pairs at a time (their
   # scores stay in cache: stage 1 about 1.2x faster than attention in query chunks of 128,
   # which bounded memory as well), and stages 1 and 2 in micro-batches with accumulated

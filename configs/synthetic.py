@@ -42,7 +42,7 @@ def _data(preset: str) -> ml_collections.ConfigDict:
   d = ml_collections.ConfigDict()
   d.name = 'synthetic_change'          # TFDS builder name
   d.builder_config = {'tiny': 'tiny', 'quick': 'tiny', 'default': 'small'}[preset]
-  d.data_dir = ''                      # '' -> <workdir>/../data? no: <workdir>/data
+  d.data_dir = ''                      # '' -> <workdir>/data
   d.manual_dir = ''                    # real datasets only
   d.image_size = {'tiny': 32, 'quick': 32, 'default': 64}[preset]
   d.frame_source = 'frames'            # 'frames' (stored interpolation) | 'oracle' | 'crossfade'
@@ -234,6 +234,8 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
           input='pixels',              # 'pixels': patches, from scratch | 'features': tokenizer
           stem_patch=8,                # pixels: patch side (64 px -> an 8 x 8 grid)
           stem_channels=(128, 128),    # pixels: dense layers over each patch
+          stem_convs=0,                # pixels: 3 x 3 convolutions on the grid after them
+          coords=False,                # append each cell's x, y to the grids (AddSpatialInfo)
           attention_hidden=128,        # the dual attention's 1x1 conv width
           feature_dim=128,             # the speaker's l_b, l_d, l_a width
           embed=64,                    # word embedding
@@ -402,8 +404,17 @@ def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
   t.label_smoothing = 0.0
   t.loss_reduction = 'mean'
   t.warmup_frac = 0.05
+  # As the original DUDA's step: each batch holds a scene's change pair and its distractor (the
+  # same before image), so the captions of two pairs that differ only in the after image teach
+  # the model to read the change; without it the speaker learns one sentence for every pair.
+  t.scene_pairs = True
+  if inputs == 'pixels':
+    # A stem with spatial context that a small viewpoint shift leaves alone: 4 px patches (a
+    # 16 x 16 grid), two 3 x 3 convolutions, and each cell's coordinates (the original's
+    # AddSpatialInfo) so the attended features say where.
+    d = config.caption.model.duda
+    d.stem_patch, d.stem_channels, d.stem_convs, d.coords = 4, (64,), 2, True
   if config.preset != 'tiny':
-    # 1,000 steps: about 20 minutes on the shared 2-core CPU (0.8 steps/s measured there).
-    t.steps, t.batch_size = 1000, 32
-    t.eval_every = t.checkpoint_every = 250
+    t.steps, t.batch_size = 2000, 32
+    t.eval_every = t.checkpoint_every = 500
     t.log_every = 50

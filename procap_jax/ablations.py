@@ -366,8 +366,14 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
     print(f'job {i}: {", ".join(group)} (log {log})', flush=True)
     with open(log, 'a', encoding='utf-8') as f:
       procs.append((i, log, subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)))
+  # Polled every second, so the call returns as soon as the last job ends (a tiny run's jobs take
+  # about a minute); the status line still comes once a minute.
+  last = time.time()
   while any(p.poll() is None for _, _, p in procs):
-    time.sleep(60)
+    time.sleep(1)
+    if time.time() - last < 60:
+      continue
+    last = time.time()
     for i, log, p in procs:
       print(f'job {i}: {"running" if p.poll() is None else "done"}: {_last_line(log)}',
             flush=True)

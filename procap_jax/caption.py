@@ -5,8 +5,9 @@ r"""Caption your own image pairs with a trained run.
   python -m procap_jax.caption --workdir W --before_dir A --after_dir B
 
 Prints one line per pair, `<before>\t<after>\t<caption>`, as soon as its batch is captioned;
-`--out F.json` also writes them (atomically) as a JSON list. The workdir (a run with a
-config.json, a caption checkpoint and a tokenizer checkpoint) is checked first, then the pairs,
+`--out F.json` also writes them (atomically) as a JSON list. The workdir (a ProCap or DUDA run
+with a config.json, a caption checkpoint and, unless it is DUDA on patches, a tokenizer
+checkpoint) is checked first, then the pairs,
 then every image is read, and only then is the model loaded: a mistake anywhere is one sentence
 on stderr and exit status 2, before the slow part.
 
@@ -101,7 +102,11 @@ def check_run(workdir: str, which: str = 'best') -> ml_collections.ConfigDict:
 
 
 def _build_model(config: ml_collections.ConfigDict):
-  """The run's Captioner (`models.captioner.from_config`, as training builds it)."""
+  """The run's captioner as training builds it: ProCap's (`models.captioner.from_config`) or,
+  for `caption.model.kind='duda'`, DUDA (`models.duda.from_config`)."""
+  if config_lib.caption_kind(config) == 'duda':
+    from procap_jax.models import duda as duda_lib  # lazy: start-up (captioner ~4 s)
+    return duda_lib.from_config(config)
   from procap_jax.models import captioner as captioner_lib  # lazy: start-up (captioner ~4 s)
   return captioner_lib.from_config(config)
 
@@ -122,7 +127,7 @@ def _checkpoints_key(workdir: str, which: str) -> str:
   (folder, step, and the step folder's inode and time: a retrained step is a new folder) and
   the run's config.json."""
   parts = []
-  for stage, pick in (('caption', which), ('tokenizer', 'best')):
+  for stage, pick in config_lib.run_checkpoints(load_run_config(workdir), which):
     folder = config_lib.checkpoint_dir(workdir, stage, pick)
     step = max((n for n in os.listdir(folder) if n.isdigit()), key=int)
     st = os.stat(os.path.join(folder, step))
@@ -155,7 +160,8 @@ def _nested(flat: dict, prefix: str) -> dict:
 
 def load_parameters(workdir: str, which: str = 'best', config=None,
                     cache: bool = True) -> tuple[dict, dict, int]:
-  """(caption params, tokenizer params, caption step) of a run, as host numpy trees.
+  """(caption params, tokenizer params, caption step) of a run, as host numpy trees (the
+  tokenizer's {} when stage 2 reads pixels: DUDA on patches).
 
   From `W/caption/inference_cache/params.npz` when it was made from the same checkpoints and
   config.json; otherwise restored with `checkpointing` (checking the checkpoint's config against
@@ -178,7 +184,8 @@ def load_parameters(workdir: str, which: str = 'best', config=None,
     checkpointing.check_config_compatible(meta.get('config'), config or load_run_config(workdir),
                                           'caption')
   restored = checkpointing.load_stage_variables(workdir, 'caption', which)
-  tokenizer = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
+  tokenizer = (checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
+               if config_lib.reads_tokenizer(config or load_run_config(workdir)) else {})
   params, step = restored['params'], int(restored['step'])
   flat = _flat('tokenizer', tokenizer, _flat('caption', params, {}))
   if cache and all(a.dtype.kind in 'biuf' for a in flat.values()):
@@ -232,6 +239,7 @@ class Captioner:
     import jax
     from procap_jax.data import vocab as vocab_lib  # lazy: start-up (captioner ~4 s)
     from procap_jax.models import captioner as captioner_lib  # lazy: start-up (captioner ~4 s)
+    from procap_jax.models import duda as duda_lib  # lazy: start-up (captioner ~4 s)
     from procap_jax.models import vqgan  # lazy: start-up (captioner ~4 s)
     self.vocab = vocab_lib.Vocab.load(vocab_path(self.config, workdir))
     if self.vocab.size != self.config.caption.model.vocab_size:
@@ -241,17 +249,37 @@ class Captioner:
           'vocabulary file the run was trained with')
     params, tokenizer_params, self.step = load_parameters(workdir, which, self.config, cache)
     model = _build_model(self.config)
-    tokenizer = vqgan.frozen_from_config(self.config)
+    tokenizer = (vqgan.frozen_from_config(self.config)
+                 if config_lib.reads_tokenizer(self.config) else None)
     settings = config_lib.decoding_settings(self.config)
+    self.model, self.tokenizer = model, tokenizer
+    generate = (duda_lib.generate if config_lib.caption_kind(self.config) == 'duda'
+                else captioner_lib.generate)
 
     def caption_ids(params, tokenizer_params, before, after):  # uint8 [B, S, S, 3] -> [B, L]
-      n = before.shape[0]
-      x = jax.numpy.concatenate([before, after]).astype(jax.numpy.float32) / 255.0
-      feats = tokenizer.encode_features(tokenizer_params, x)  # [2B, h, w, C]
-      return captioner_lib.generate(model, params, feats[:n], feats[n:], **settings)
+      inputs_b, inputs_a = self.features(tokenizer_params, before, after)
+      return generate(model, params, inputs_b, inputs_a, **settings)
 
     self._ids = jax.jit(caption_ids)
     self._params = jax.device_put((params, tokenizer_params))
+
+  @property
+  def params(self) -> tuple[Any, Any]:
+    """(caption params, tokenizer params) on the device, for more functions of `model` (the
+    demo's imagined frames and sentence probabilities, `procap_jax.demo`)."""
+    return self._params
+
+  def features(self, tokenizer_params, before, after):
+    """The model's inputs for uint8 before and after images [B, S, S, 3] (jit the caller):
+    the frozen tokenizer's features [B, h, w, C] from one tokenizer call, or for DUDA on
+    patches the images [B, S, S, 3] in [0, 1]."""
+    import jax.numpy as jnp
+    if self.tokenizer is None:
+      return before.astype(jnp.float32) / 255.0, after.astype(jnp.float32) / 255.0
+    n = before.shape[0]
+    x = jnp.concatenate([before, after]).astype(jnp.float32) / 255.0
+    feats = self.tokenizer.encode_features(tokenizer_params, x)  # [2B, h, w, C]
+    return feats[:n], feats[n:]
 
   @property
   def image_size(self) -> int:

@@ -377,6 +377,12 @@ def checkpoint_dir(workdir: str, stage: str, which: str = 'best') -> str | None:
   return None
 
 
+def run_checkpoints(config: ml_collections.ConfigDict, which: str) -> tuple[tuple[str, str], ...]:
+  """(stage, 'best' | 'latest') of the checkpoints captioning with a run restores: the caption
+  stage's `which`, and the tokenizer's best unless stage 2 reads pixels (DUDA on patches)."""
+  return (('caption', which),) + ((('tokenizer', 'best'),) if reads_tokenizer(config) else ())
+
+
 def check_run(workdir: str, which: str = 'best',
               config: ml_collections.ConfigDict | None = None) -> dict:
   """Checks that `workdir` holds a run that can caption; returns its saved config (JSON).
@@ -388,13 +394,13 @@ def check_run(workdir: str, which: str = 'best',
 
   Raises:
     UserError: one sentence naming the first problem: no such folder, not a run, another
-      config, no caption checkpoint, no tokenizer checkpoint.
+      config, no caption checkpoint, no tokenizer checkpoint (when stage 2 reads it).
   """
   saved = read_saved_config(workdir)
   if config is not None:
     _check_same_setup(config, workdir, saved,
                       'pass the --config the run was made with or another --workdir')
-  for stage, pick in (('caption', which), ('tokenizer', 'best')):
+  for stage, pick in run_checkpoints(ml_collections.ConfigDict(saved), which):
     if checkpoint_dir(workdir, stage, pick) is not None:
       continue
     where = os.path.join(workdir, stage)

@@ -227,7 +227,7 @@ def main(argv):
   _maybe_init_distributed()
   results = run(config, workdir, _MODE.value, _SPLIT.value, _WHICH.value)
   from procap_jax import config_lib  # lazy: start-up (stages ~9 s, main ~0.2 s)
-  # The caption command serves ProCap runs (tokenizer features); a DUDA run has none to warm.
+  # Only ProCap runs are warmed: DUDA runs are the field's baseline, evaluated, seldom captioned.
   if (_MODE.value == 'train' and results and 'caption' in config.stages
       and config_lib.caption_kind(config) == 'procap'
       and int(os.environ.get('JAX_PROCESS_ID', '0')) == 0):

@@ -119,7 +119,9 @@ def metrics_table(metrics: dict) -> str:
     cells = ''.join(f'<td>{vals[c] * 100:.1f}</td>' if isinstance(vals.get(c), float)
                     else '<td>n/a</td>' for c in cols)
     rows.append(f'<tr><td>{html.escape(g)}</td>{cells}</tr>')
-  return '<table>' + ''.join(rows) + '</table><p>Scores x 100 (COCO caption metrics).</p>'
+  note = (' Groups change and no_change: the test pairs the dataset labels changed and unchanged '
+          '(change type none), each scored on its own.' if 'no_change' in groups else '')
+  return '<table>' + ''.join(rows) + f'</table><p>Scores x 100 (COCO caption metrics).{note}</p>'
 
 
 # (column, metric name in `semantic/<group>/<name>`, or a CIDEr key) of the semantic table.

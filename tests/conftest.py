@@ -72,10 +72,14 @@ def tiny_config(tiny_data_dir):
   return config
 
 
-# The slowest files first (descending): the two xdist workers take whole files in collection
-# order, so a long file left for the end would run alone while the other worker idles.
-_SLOW_FILES_FIRST = ('multihost_test.py', 'real_builders_test.py', 'paper_preset_test.py',
-                     'train_sharding_test.py', 'end_to_end_test.py', 'reliability_train_test.py')
+# The slowest files first (descending, by their summed test durations): the two xdist workers
+# take whole files in collection order (pyproject.toml's --no-loadscope-reorder keeps this
+# order; without it xdist sorts files by their number of tests), so a long file left for the
+# end would run alone while the other worker idles.
+_SLOW_FILES_FIRST = ('end_to_end_test.py', 'real_builders_test.py', 'multihost_test.py',
+                     'train_sharding_test.py', 'paper_preset_test.py',
+                     'reliability_train_test.py', 'duda_test.py', 'levir_cc_test.py',
+                     'init_from_test.py', 'convert_procap_test.py')
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -100,3 +100,37 @@ def test_patches_preset_runs_only_stage_2_end_to_end(tiny_data_dir, tmp_path):
   assert saved['split'] == 'test' and saved['selected_on'] == 'val'
   assert np.isfinite(saved['metrics']['CIDEr']) and saved['metrics'] == results['metrics']
   assert os.path.exists(os.path.join(workdir, 'report.html'))
+
+
+def test_stem_convolutions_give_each_cell_its_neighbours():
+  """Without convolutions a cell's features come from its own patch only; with two 3 x 3
+  convolutions a change in one patch reaches the cells up to two away (spatial context that a
+  small viewpoint shift does not undo)."""
+  images = jax.random.uniform(jax.random.key(4), (1, 24, 24, 3))  # 4 px patches: a 6 x 6 grid
+  changed = images.at[:, 8:12, 8:12].set(1.0)  # patch (2, 2)
+  for convs, reach in ((0, 0), (2, 2)):
+    stem = duda.PatchStem(4, (8,), convs)
+    params = stem.init(jax.random.key(5), images)
+    moved = np.abs(np.asarray(stem.apply(params, changed) - stem.apply(params, images))).sum(-1)
+    rows, cols = np.nonzero(moved[0] > 0)
+    assert rows.size > 0
+    assert max(np.abs(rows - 2).max(), np.abs(cols - 2).max()) == reach
+
+
+def test_coordinates_are_appended_and_reach_the_attended_features():
+  grid = jnp.zeros((2, 3, 4, 5))
+  out = np.asarray(duda.with_coordinates(grid))
+  assert out.shape == (2, 3, 4, 7)
+  # float32 coordinates against float64 references: a few ulps
+  np.testing.assert_allclose(out[0, :, :, 5], np.tile(np.arange(4) * 2.0 / 4 - 1.0, (3, 1)),
+                             rtol=1e-6)
+  np.testing.assert_allclose(out[0, :, :, 6], np.tile((np.arange(3) * 2.0 / 3 - 1.0)[:, None],
+                                                      (1, 4)), rtol=1e-6)
+  model = duda.Duda(vocab_size=13, from_pixels=True, stem_patch=4, stem_channels=(6,),
+                    stem_convs=1, coords=True, attention_hidden=7, feature_dim=5, embed=3,
+                    hidden=17)
+  before, after = _pair(2, (16, 16, 3))
+  tokens = jnp.array([[vocab_lib.BOS, 8]] * 2, jnp.int32)
+  params = model.init(jax.random.key(6), before, after, tokens)['params']
+  # the projection reads C + 2 channels: the stem's and the two coordinates
+  assert params['project']['kernel'].shape == (6 + 2, 5)

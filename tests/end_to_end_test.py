@@ -18,6 +18,12 @@ def finished_run(tiny_data_dir, tmp_path_factory):
   from configs import synthetic
   config = synthetic.get_config('tiny')
   config.data.data_dir = tiny_data_dir
+  # 8 steps a stage instead of the preset's 20 (the suite runs unoptimised XLA code, so steps
+  # cost seconds): checkpoints at 4 and 8, the evaluation at 8. The tests read what the run
+  # wrote and restore, decode and score it; none needs a better-trained model.
+  for stage in ('tokenizer', 'pretrain', 'caption'):
+    t = config[stage].train
+    t.steps, t.checkpoint_every, t.eval_every, t.log_every = 8, 4, 8, 4
   workdir = str(tmp_path_factory.mktemp('run'))
   results = main.run(config, workdir)
   return config, workdir, results
@@ -322,14 +328,20 @@ def test_ablation_runner_with_two_jobs_fills_the_table(finished_run, tiny_data_d
   from procap_jax import ablations
   _, workdir, _ = finished_run
   root, out = tmp_path / 'abl', tmp_path / 'results.md'
+  # 2 caption steps a run, through --override, which the children get too.
+  short = [f'caption.train.{k}={v}' for k, v in
+           (('steps', 2), ('checkpoint_every', 2), ('eval_every', 2), ('log_every', 1))]
   ablations.main(['--root', str(root), '--preset', 'tiny', '--seeds', '0', '--variants',
                   'static,no_stage1', '--jobs', '2', '--data_dir', tiny_data_dir,
-                  '--tokenizer_from', os.path.join(workdir, 'tokenizer'), '--out', str(out)])
+                  '--tokenizer_from', os.path.join(workdir, 'tokenizer'), '--out', str(out)]
+                 + [a for o in short for a in ('--override', o)])
   printed = capsys.readouterr().out
   assert 'job 0:' in printed and 'job 1:' in printed
   for variant in ('static', 'no_stage1'):
     with open(root / f'{variant}_s0' / 'results.json', encoding='utf-8') as f:
       assert 'CIDEr' in json.load(f)['metrics']
+    with open(root / f'{variant}_s0' / 'caption' / 'DONE', encoding='utf-8') as f:
+      assert json.load(f)['steps'] == 2  # the override reached the child process
   assert (root / 'job0.log').exists() and (root / 'job1.log').exists()
   text = out.read_text()
   for label in ('static baseline', 'queries without stage 1'):

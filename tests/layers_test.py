@@ -1,4 +1,4 @@
-"""The package's layers: no import cycle, no import that runs upward, no library file over 450 lines.
+"""The package's layers: no import cycle, no import running upward, no library file over 450 lines.
 
 Pure `ast` over the source (nothing of the package is imported, so no jax), module-level and
 function-local imports alike. The layers, bottom to top (a module may import its own layer and
@@ -17,7 +17,7 @@ the layers below; the first prefix that matches a module, longest first, gives i
   tasks          tasks/ (what differs per stage)
   configs        configs/ (one get_config per dataset x stage)
   entry points   main, stages, caption, report, ablations, convert/__main__,
-                 procedure/visualize (commands a user runs)
+                 procedure/visualize, serve and demo/ (commands a user runs)
   tools          diagnostics/ (analysis commands on a run's workdir)
 
 A function-local import of a project module is allowed only with a reason on its line,
@@ -48,7 +48,7 @@ LAYERS = (
     ('configs', ('configs.',)),
     ('entry points', ('procap_jax.main', 'procap_jax.stages', 'procap_jax.caption',
                       'procap_jax.report', 'procap_jax.ablations', 'procap_jax.convert.__main__',
-                      'procap_jax.procedure.visualize')),
+                      'procap_jax.procedure.visualize', 'procap_jax.serve', 'procap_jax.demo')),
     ('tools', ('procap_jax.diagnostics',)),
 )
 

@@ -31,12 +31,16 @@ def _config(data_dir: str):
 
 
 def _small(config):
-  """A (4, 2) mesh and a smaller tokenizer: these tests are about the processes, not it."""
+  """A (4, 2) mesh and a smaller model: these tests are about the processes, not it."""
   config.mesh.data, config.mesh.model = 4, 2
   config.data.image_size = 16
   config.tokenizer.model.update(ch=8, ch_mult=(1, 2), resolution=16, z_channels=8, embed_dim=8,
                                 n_embed=16)
   config.pretrain.model.update(feature_dim=8, codebook_size=16)  # the same 8 x 8 token grid
+  # One encoder block and one decoder layer: each stage still splits its parameters over
+  # 'model' and its batch over 'data', with half the program to compile in each process.
+  config.pretrain.model.depth = 1
+  config.caption.model.layers = 1
   return config
 
 
@@ -116,12 +120,17 @@ def _launch(args: list[str], timeout: float = 900) -> list[str]:
   return outputs
 
 
+# Steps of each stage in the main-run test: a checkpoint after each, an evaluation after the last.
+RUN_STEPS = 2
+
+
 def _run_config(workdir: str):
   """Tiny run of every stage on a (4, 2) mesh; the dataset is built inside `workdir`."""
   from configs import synthetic
   config = _small(synthetic.get_config('tiny'))
   for section in (config.tokenizer.train, config.pretrain.train, config.caption.train):
-    section.steps, section.checkpoint_every, section.eval_every, section.log_every = 4, 2, 4, 2
+    section.steps, section.eval_every = RUN_STEPS, RUN_STEPS
+    section.checkpoint_every, section.log_every = 1, 1
   return config
 
 
@@ -137,9 +146,9 @@ def test_two_processes_run_main_build_train_checkpoint_and_resume(tmp_path):
   for stage in ('tokenizer', 'pretrain', 'caption'):
     lines = [json.loads(l) for l in open(os.path.join(workdir, stage, 'metrics.jsonl'))]
     train_steps = [l['step'] for l in lines if l.get('split', 'train') == 'train']
-    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 4, train_steps
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == RUN_STEPS, train_steps
     variables = checkpointing.load_stage_variables(workdir, stage, 'latest')
-    assert int(variables['step']) == 4
+    assert int(variables['step']) == RUN_STEPS
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(variables['params']))
   test = json.load(open(stages.pretrain_test_path(workdir)))
   assert test['split'] == 'test' and 0.0 <= test['metrics']['msm_acc'] <= 1.0

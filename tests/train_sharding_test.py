@@ -60,6 +60,14 @@ def _cached_two_steps(config, stage, mesh_shape):
 def config():
   from configs import synthetic
   cfg = synthetic.get_config('tiny')
+  # Smaller than tiny, each kind of layer still there (the tests compare meshes, not models):
+  # a 2-level VQGAN at 16 px giving the same 8 x 8 token grid, one encoder block, one decoder
+  # layer. Every step here is a fresh compile for its mesh.
+  cfg.data.image_size = 16
+  cfg.tokenizer.model.update(ch=8, ch_mult=(1, 2), resolution=16, z_channels=8, embed_dim=8,
+                             n_embed=16)
+  cfg.pretrain.model.update(feature_dim=8, codebook_size=16, depth=1)
+  cfg.caption.model.layers = 1
   cfg.pretrain.model.text_vocab_size = 40
   cfg.caption.model.vocab_size = 40
   cfg.caption.init_from_pretrain = False

@@ -7,8 +7,8 @@ r"""Command line: build one dataset config, without Beam (default) or on a Beam 
   python -m tfds_builders.build synthetic_change/small --data_dir D --beam_options='...'
 
 Datasets: synthetic_change (configs tiny, small, full; no manual directory), clevr_change,
-spot_the_diff, image_editing_request (configs paper, cpu64, paper_h5, cpu64_h5, tiny32; a manual
-directory as each builder's README.md describes). The cluster commands (Flink, Spark) are in
+spot_the_diff, image_editing_request (configs paper, cpu64, paper_h5, cpu64_h5, tiny32), levir_cc
+(paper, cpu64, tiny32); a manual directory as each builder's README.md describes. The cluster commands (Flink, Spark) are in
 docs/performance.md "Building datasets on Beam". A prepared config is reused, not rebuilt.
 Prints one JSON line (dataset, data_dir, pairs per split, build seconds or null when it was
 already prepared); exits with status 2 and one sentence on a user error.
@@ -22,6 +22,7 @@ import time
 from procap_jax import errors
 from tfds_builders import clevr_change
 from tfds_builders import image_editing_request
+from tfds_builders import levir_cc
 from tfds_builders import spot_the_diff
 from tfds_builders import synthetic_change
 
@@ -31,6 +32,7 @@ DATASETS = {
     'clevr_change': clevr_change,
     'spot_the_diff': spot_the_diff,
     'image_editing_request': image_editing_request,
+    'levir_cc': levir_cc,
 }
 
 

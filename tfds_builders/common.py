@@ -1,4 +1,5 @@
-"""Shared code of the real-dataset builders: CLEVR-Change, Spot-the-Diff, Image Editing Request.
+"""Shared code of the real-dataset builders: CLEVR-Change, Spot-the-Diff, Image Editing Request,
+LEVIR-CC.
 
 Each builder reads the original files from a manual directory (layout: the builder's README.md)
 and writes the features of docs/architecture.md. The version directory (`builder.data_dir`, =
@@ -12,10 +13,11 @@ and writes the features of docs/architecture.md. The version directory (`builder
                            dir or `filter_files/`) if any; point `config.data.scores_file` at it
 
 Pair ids are the original evaluation ids (CLEVR-Change `%06d` + `c`/`nc`, Spot-the-Diff
-`<img_id>.png`, IER `uid`); each builder module's `official_key(pair_id)` gives the key of the
-authors' h5 / similarity files. Frames: methods `flow` / `crossfade` interpolate at build time;
-`h5` reads the authors' pseudo-sequences (uint8 [T, 3, H0, W0] per key), before / after being
-their first / last frame (no image folders needed). Everything is resized to `image_size`.
+`<img_id>.png`, IER `uid`, LEVIR-CC the image file name); each builder module's
+`official_key(pair_id)` gives the key of the authors' h5 / similarity files. Frames: methods
+`flow` / `crossfade` interpolate at build time; `h5` reads the authors' pseudo-sequences (uint8
+[T, 3, H0, W0] per key), before / after being their first / last frame (no image folders
+needed). Everything is resized to `image_size`.
 
 Builds run `num_workers` spawned processes (ordered `imap`), or a Beam pipeline when given
 Beam options (`tfds_builders/beam_build.py`: same records, on one machine or a cluster). A killed
@@ -235,7 +237,7 @@ def _worker_count(requested: int | None, num_tasks: int) -> int:
 
 
 class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Base of the three real-dataset builders; subclasses implement `_read`."""
+  """Base of the real-dataset builders; subclasses implement `_read`."""
 
   VERSION = tfds.core.Version('1.0.0')
   RELEASE_NOTES = {'1.0.0': 'Initial release.'}

@@ -22,6 +22,7 @@ BUILDERS = {
     'clevr_change': 'tfds_builders.clevr_change',
     'spot_the_diff': 'tfds_builders.spot_the_diff',
     'image_editing_request': 'tfds_builders.image_editing_request',
+    'levir_cc': 'tfds_builders.levir_cc',
 }
 
 

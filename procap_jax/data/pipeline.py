@@ -152,18 +152,20 @@ def load_split_info(config, split: str, workdir: str) -> list[dict]:
 
 
 def change_groups(info: list[dict], ids: Iterable[str]) -> dict[str, list[str]]:
-  """Pair ids by change type name (present types only), plus 'change' (type != none) and
-  'no_change' when the ids have both."""
+  """'change' (type != none) and 'no_change' pair ids when the ids have both (any dataset whose
+  records label some pairs `none`: CLEVR-Change, LEVIR-CC's changeflag, the synthetic set), then
+  the ids by change type name (present types only)."""
   kept = set(ids)
-  groups: dict[str, list[str]] = {}
+  types: dict[str, list[str]] = {}
   for rec in info:
     if rec['pair_id'] in kept:
-      groups.setdefault(CHANGE_TYPES[rec['change_type']], []).append(rec['pair_id'])
-  change = [i for name, members in groups.items() if name != 'none' for i in members]
-  if change and groups.get('none'):  # otherwise one of them would just repeat 'all'
+      types.setdefault(CHANGE_TYPES[rec['change_type']], []).append(rec['pair_id'])
+  groups: dict[str, list[str]] = {}
+  change = [i for name, members in types.items() if name != 'none' for i in members]
+  if change and types.get('none'):  # otherwise one of them would just repeat 'all'
     groups['change'] = change
-    groups['no_change'] = list(groups['none'])
-  return groups
+    groups['no_change'] = list(types['none'])
+  return groups | types
 
 
 def _record_info(record: dict) -> dict:

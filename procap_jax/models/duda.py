@@ -38,6 +38,7 @@ class PatchStem(nn.Module):
   several times slower on XLA:CPU; patches keep training within the CPU budget.)"""
   patch: int
   channels: Sequence[int]
+  convs: int = 0
 
   @nn.compact
   def __call__(self, images: jax.Array) -> jax.Array:
@@ -47,7 +48,19 @@ class PatchStem(nn.Module):
     x = x.reshape(b, g, g, p * p * c)  # [B, h, w, p*p*3]
     for i, ch in enumerate(self.channels):
       x = nn.relu(nn.Dense(ch, name=f'dense_{i}')(x))
+    for i in range(self.convs):
+      x = nn.relu(nn.Conv(self.channels[-1], (3, 3), name=f'conv_{i}')(x))
     return x
+
+
+def with_coordinates(grid: jax.Array) -> jax.Array:
+  """[B, h, w, C] -> [B, h, w, C + 2]: each cell's x and y in [-1, 1) appended (the original's
+  AddSpatialInfo), so attended features say where the change is."""
+  b, h, w, _ = grid.shape
+  ys, xs = jnp.meshgrid(jnp.arange(h) * 2.0 / h - 1.0, jnp.arange(w) * 2.0 / w - 1.0,
+                        indexing='ij')
+  coords = jnp.broadcast_to(jnp.stack([xs, ys], -1), (b, h, w, 2)).astype(grid.dtype)
+  return jnp.concatenate([grid, coords], -1)
 
 
 class DualAttention(nn.Module):
@@ -66,12 +79,14 @@ class DualAttention(nn.Module):
     diff = after - before  # [B, h, w, C]
     both = jnp.concatenate([jnp.concatenate([before, diff], -1),
                             jnp.concatenate([after, diff], -1)], 0)  # [2B, h, w, 2C]
-    x = nn.Conv(self.hidden, (1, 1), name='att_conv_0')(both)
+    # 1 x 1 convolutions as dense layers over the channels (the same map; XLA:CPU runs a 1 x 1
+    # convolution's backward pass several times slower than the matmul's)
+    x = nn.Dense(self.hidden, name='att_conv_0')(both)
     x = nn.relu(x)
     x = nn.Dropout(self.dropout, deterministic=not train)(x)
-    x = nn.Conv(self.hidden, (1, 1), name='att_conv_1')(x)
+    x = nn.Dense(self.hidden, name='att_conv_1')(x)
     x = nn.relu(x)
-    logits = nn.Conv(1, (1, 1), name='att_logits')(x).reshape(2, b, h * w)  # [2, B, N]
+    logits = nn.Dense(1, name='att_logits')(x).reshape(2, b, h * w)  # [2, B, N]
     maps = jax.nn.softmax(logits, axis=-1)  # [2, B, N]
     grids = jnp.stack([before, after]).reshape(2, b, h * w, c)  # [2, B, N, C]
     attended = jnp.einsum('kbn,kbnc->kbc', maps, grids)  # [2, B, C]
@@ -108,6 +123,8 @@ class Duda(nn.Module):
   from_pixels: bool
   stem_patch: int = 4
   stem_channels: Sequence[int] = (64, 64)
+  stem_convs: int = 0
+  coords: bool = False
   attention_hidden: int = 128
   feature_dim: int = 256
   embed: int = 128
@@ -116,7 +133,7 @@ class Duda(nn.Module):
 
   def setup(self):
     if self.from_pixels:
-      self.stem = PatchStem(self.stem_patch, tuple(self.stem_channels))
+      self.stem = PatchStem(self.stem_patch, tuple(self.stem_channels), self.stem_convs)
     self.attention = DualAttention(self.attention_hidden, self.dropout)
     self.project = nn.Dense(self.feature_dim)
     self.word_embed = nn.Embed(self.vocab_size, self.embed)
@@ -131,6 +148,8 @@ class Duda(nn.Module):
     if self.from_pixels:
       grids = self.stem(jnp.concatenate([before, after], 0))  # [2B, h, w, C]
       before, after = jnp.split(grids, 2, axis=0)
+    if self.coords:
+      before, after = with_coordinates(before), with_coordinates(after)
     features, maps = self.attention(before, after, train)
     features = nn.relu(self.project(features))  # [B, 3, D]
     return features, maps
@@ -179,7 +198,8 @@ def from_config(config: ml_collections.ConfigDict) -> Duda:
   d = config.caption.model.duda
   return Duda(vocab_size=int(config.caption.model.vocab_size),
               from_pixels=d.input == 'pixels', stem_patch=int(d.stem_patch),
-              stem_channels=tuple(d.stem_channels), attention_hidden=int(d.attention_hidden),
+              stem_channels=tuple(d.stem_channels), stem_convs=int(d.stem_convs),
+              coords=bool(d.coords), attention_hidden=int(d.attention_hidden),
               feature_dim=int(d.feature_dim), embed=int(d.embed), hidden=int(d.hidden),
               dropout=float(config.caption.model.dropout))
 
