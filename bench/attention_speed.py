@@ -6,11 +6,11 @@ r"""Attention's forms side by side: forward + backward time of one attention cal
 
 Times `jax.grad` of sum(attention(q, k, v) * g) under `jax.checkpoint` (as inside the paper
 presets' checkpointed block scan, so the forward runs twice) for: `full`
-(`layers.dot_product_attention`: the whole [B, H, S, S] block at once), `chunk<C>`
-(`layers.chunked_attention`, queries in chunks of C) and `group<G>` (`layers.grouped_attention`,
-G (batch, head) pairs at a time). Rounds alternate the forms; one JSON line per form with the
-median and best seconds, the GFLOP/s of the attention products (2 forward, 2 recomputed, 4
-backward) and the gradient's relative difference from `full`'s.
+(`attention.dot_product_attention`: the whole [B, H, S, S] block at once), `chunk<C>`
+(`attention.chunked_attention`, queries in chunks of C) and `group<G>`
+(`attention.grouped_attention`, G (batch, head) pairs at a time). Rounds alternate the forms; one
+JSON line per form with the median and best seconds, the GFLOP/s of the attention products (2
+forward, 2 recomputed, 4 backward) and the gradient's relative difference from `full`'s.
 """
 
 import argparse
@@ -22,15 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from procap_jax import hostmem
-from procap_jax.models import layers
+from procap_jax.models import attention
 
 
 def forms(chunks: list[int], groups: list[int], scale: float) -> dict:
-  out = {'full': lambda q, k, v: layers.dot_product_attention(q, k, v, None, scale)}
+  out = {'full': lambda q, k, v: attention.dot_product_attention(q, k, v, None, scale)}
   for c in chunks:
-    out[f'chunk{c}'] = lambda q, k, v, c=c: layers.chunked_attention(q, k, v, None, c, scale)
+    out[f'chunk{c}'] = lambda q, k, v, c=c: attention.chunked_attention(q, k, v, None, c, scale)
   for g in groups:
-    out[f'group{g}'] = lambda q, k, v, g=g: layers.grouped_attention(q, k, v, None, g, scale)
+    out[f'group{g}'] = lambda q, k, v, g=g: attention.grouped_attention(q, k, v, None, g, scale)
   return out
 
 

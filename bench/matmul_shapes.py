@@ -57,10 +57,10 @@ def run_xla(repeats: int, bf16: bool = False) -> list[dict]:
   Dense asks for) and with a float32 result (procap_jax's accumulating products)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
+  from procap_jax.models import accumulating as accumulating_lib  # after the XLA flags
   f = jax.jit(jnp.matmul)
-  accumulating = jax.jit(lambda x, w: layers.accumulating_einsum('bmk,bkn->bmn', x, w)
-                         if x.ndim == 3 else layers.accumulating_dot_general(
+  accumulating = jax.jit(lambda x, w: accumulating_lib.accumulating_einsum('bmk,bkn->bmn', x, w)
+                         if x.ndim == 3 else accumulating_lib.accumulating_dot_general(
                              x, w, (((1,), (0,)), ((), ()))))
   variants = [('f32', jnp.float32, f)]
   if bf16:

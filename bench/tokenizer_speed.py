@@ -11,7 +11,7 @@ Two parts, each alternating its forms over `--rounds` rounds (median and best se
   - `conv`: one 3x3 convolution of each shape the paper encoder runs (224 px x 128 channels down
     to 14 px x 512, 8 images; stride 2 for the downsamples) as the library's float32
     convolution (`lax`, what float32 models run), the library's with bfloat16 operands, and
-    `vqgan.conv_general_dilated` with bfloat16 operands (row bands, Winograd products at 224
+    `banded_conv.conv_general_dilated` with bfloat16 operands (row bands, Winograd products at 224
     and 112 px; the downsamples as the model runs them, a right/bottom zero pad then a 'VALID'
     stride-2 convolution), with GFLOP/s and the relative difference from float32.
   - `encode`: `encode_features` of `--images` random images through `vqgan.frozen(config,
@@ -44,7 +44,9 @@ from bench import common
 from bench import train_step as bench_step
 from procap_jax import hostmem
 from procap_jax.diagnostics import stand_ins
+from procap_jax.models import banded_conv
 from procap_jax.models import vqgan
+from procap_jax.models import vqgan_layers
 
 # (images, side, channels in, channels out, stride): the paper encoder's convolutions.
 PAPER_SHAPES = ((8, 224, 128, 128, 1), (8, 112, 128, 128, 1), (8, 56, 256, 256, 1),
@@ -80,7 +82,7 @@ def convs(rounds: int) -> None:
     x = jax.random.normal(jax.random.key(0), (n, side, side, cin))
     k = jax.random.normal(jax.random.key(1), (3, 3, cin, cout)) / np.sqrt(9 * cin)
     if stride == 2:  # the downsample: right/bottom zero pad, then 'VALID'
-      x = vqgan.pad_right_bottom(x)
+      x = vqgan_layers.pad_right_bottom(x)
     padding = 'SAME' if stride == 1 else 'VALID'
     dims = jax.lax.conv_dimension_numbers(x.shape, k.shape, ('NHWC', 'HWIO', 'NHWC'))
 
@@ -89,7 +91,7 @@ def convs(rounds: int) -> None:
                                           dimension_numbers=dims)
 
     def ours(a, w):
-      return vqgan.conv_general_dilated(a.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+      return banded_conv.conv_general_dilated(a.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                                         (stride, stride), padding, dimension_numbers=dims)
 
     fns = {'library_f32': jax.jit(library),
@@ -144,7 +146,7 @@ def _trained(workdir: str, images: int) -> tuple:
   from procap_jax import caption
   from procap_jax import checkpointing
   from procap_jax.data import pipeline
-  from procap_jax.tasks import encodings
+  from procap_jax.models import encodings
   config = caption.load_run_config(workdir)
   params = checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
   frames = []

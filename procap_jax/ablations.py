@@ -32,7 +32,10 @@ import time
 
 import numpy as np
 
+from configs import synthetic
 from procap_jax import errors
+from procap_jax import main as main_lib
+from procap_jax.data import datasets
 
 VARIANTS = ('static', 'no_queries', 'no_stage1', 'k1', 'k2', 'k4', 'oracle', 'faithful')
 # Runs in this order, so a variant can reuse an earlier variant's finished stage 1 of the same
@@ -114,8 +117,6 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
     tokenizer_per_seed: without `tokenizer_from`, train one tokenizer per seed
       (`<root>/tokenizer_s<seed>`) instead of one for all seeds.
   """
-  from configs import synthetic
-  from procap_jax import main
   config = synthetic.get_config(f'{preset},{variant}' if variant != 'k2' else preset)
   config.seed = seed
   config.data.data_dir = data_dir or os.path.join(root, 'data')
@@ -134,7 +135,7 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   if variant in SHARED_STAGE1 and 'pretrain' in config.stages:
     _copy_stage(os.path.join(root, f'{SHARED_STAGE1[variant]}_s{seed}', 'pretrain'),
                 os.path.join(workdir, 'pretrain'))
-  results = main.run(config, workdir)
+  results = main_lib.run(config, workdir)
   _copy_stage(os.path.join(workdir, 'tokenizer'), shared_tok)
   return _with_distinct_captions(dict(results), workdir)
 
@@ -385,8 +386,6 @@ def _shared_inputs_ready(args, seed: int) -> bool:
   """Whether the dataset is built and the tokenizer the runs share is trained (then the jobs
   can start at once; else one run here builds them first, so no two processes build the same).
   With --tokenizer_per_seed only the first seed's tokenizer is built first."""
-  from configs import synthetic
-  from procap_jax.data import datasets
   config = synthetic.get_config(args.preset)
   ddir = args.data_dir or os.path.join(args.root, 'data')
   tok = shared_tokenizer_dir(args.root, seed, args.tokenizer_from, args.tokenizer_per_seed)

@@ -63,26 +63,8 @@ from procap_jax.data import pairing
 ImageInput = Any  # a path (str / os.PathLike), encoded bytes, a PIL image or a uint8 array
 
 
-# Config keys added after runs were saved, with the value that reproduces what those runs did.
-ADDED_LATER = {('data', 'encoder_text'): 'words', ('data', 'bpe_merges_file'): ''}
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run);
-  keys newer than the run get the value that reproduces it (ADDED_LATER)."""
-  saved = _tuples(config_lib.read_saved_config(workdir))
-  for (section, key), value in ADDED_LATER.items():
-    if isinstance(saved.get(section), dict):
-      saved[section].setdefault(key, value)
-  return ml_collections.ConfigDict(saved)
-
-
-def _tuples(x):
-  if isinstance(x, dict):
-    return {k: _tuples(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return tuple(_tuples(v) for v in x)
-  return x
+ADDED_LATER = config_lib.ADDED_LATER  # these two names live in config_lib; kept here for callers
+load_run_config = config_lib.load_run_config
 
 
 def vocab_path(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -98,7 +80,7 @@ def vocab_path(config: ml_collections.ConfigDict, workdir: str) -> str:
                    (os.listdir(base) if os.path.isdir(base) else ())
                    if os.path.isfile(os.path.join(base, v, 'word2idx.json')))
     if len(found) > 1:  # several dataset versions: the builder knows which one the run read
-      from procap_jax.data import pipeline
+      from procap_jax.data import pipeline  # lazy: start-up (captioner ~4 s)
       return os.path.join(pipeline.dataset_dir(config, workdir), 'word2idx.json')
     path = found[0] if found else os.path.join(base, '<version>', 'word2idx.json')
   if not os.path.isfile(path):
@@ -123,9 +105,9 @@ def _build_model(config: ml_collections.ConfigDict):
   """The run's captioner as training builds it: ProCap's (`models.captioner.from_config`) or,
   for `caption.model.kind='duda'`, DUDA (`models.duda.from_config`)."""
   if config_lib.caption_kind(config) == 'duda':
-    from procap_jax.models import duda as duda_lib
+    from procap_jax.models import duda as duda_lib  # lazy: start-up (captioner ~4 s)
     return duda_lib.from_config(config)
-  from procap_jax.models import captioner as captioner_lib
+  from procap_jax.models import captioner as captioner_lib  # lazy: start-up (captioner ~4 s)
   return captioner_lib.from_config(config)
 
 
@@ -196,7 +178,7 @@ def load_parameters(workdir: str, which: str = 'best', config=None,
         return _nested(flat, 'caption'), _nested(flat, 'tokenizer'), int(flat.pop('step'))
     except (OSError, ValueError, KeyError):
       pass  # unreadable (e.g. cut by a full disk): restore and write it again
-  from procap_jax import checkpointing
+  from procap_jax import checkpointing  # lazy: start-up (captioner ~4 s)
   meta = checkpointing.read_meta(workdir, 'caption', which)
   if meta:
     checkpointing.check_config_compatible(meta.get('config'), config or load_run_config(workdir),
@@ -255,10 +237,10 @@ class Captioner:
     if cache:
       _use_compilation_cache(os.path.join(cache_dir, 'xla'))
     import jax
-    from procap_jax.data import vocab as vocab_lib
-    from procap_jax.models import captioner as captioner_lib
-    from procap_jax.models import duda as duda_lib
-    from procap_jax.models import vqgan
+    from procap_jax.data import vocab as vocab_lib  # lazy: start-up (captioner ~4 s)
+    from procap_jax.models import captioner as captioner_lib  # lazy: start-up (captioner ~4 s)
+    from procap_jax.models import duda as duda_lib  # lazy: start-up (captioner ~4 s)
+    from procap_jax.models import vqgan  # lazy: start-up (captioner ~4 s)
     self.vocab = vocab_lib.Vocab.load(vocab_path(self.config, workdir))
     if self.vocab.size != self.config.caption.model.vocab_size:
       raise errors.UserError(

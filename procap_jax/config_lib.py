@@ -340,6 +340,28 @@ def read_saved_config(workdir: str) -> dict:
   return raw
 
 
+# Config keys added after runs were saved, with the value that reproduces what those runs did.
+ADDED_LATER = {('data', 'encoder_text'): 'words', ('data', 'bpe_merges_file'): ''}
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run);
+  keys newer than the run get the value that reproduces it (ADDED_LATER)."""
+  saved = _tuples(read_saved_config(workdir))
+  for (section, key), value in ADDED_LATER.items():
+    if isinstance(saved.get(section), dict):
+      saved[section].setdefault(key, value)
+  return ml_collections.ConfigDict(saved)
+
+
+def _tuples(x):
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  return x
+
+
 def checkpoint_dir(workdir: str, stage: str, which: str = 'best') -> str | None:
   """The folder `checkpointing.load_stage_variables` restores `stage` from, or None.
 
@@ -389,18 +411,3 @@ def check_run(workdir: str, which: str = 'best',
         f'no {stage} checkpoint in {where}; finish training this run first (python -m '
         f'procap_jax.main --config <its config> --workdir {workdir}) or {_RUN_HINT}')
   return saved
-
-
-def check_dataset_built(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """UserError when the dataset `config` reads is not built (evaluation scores one of its
-  splits, and builds nothing: generating the synthetic `small` benchmark takes 40-60 minutes)."""
-  from procap_jax.data import datasets  # TFDS: a second or two, only when evaluating
-  name, bc = config.data.name, config.data.builder_config
-  ddir = config.data.data_dir or os.path.join(workdir, 'data')
-  if datasets.is_prepared(name, bc, ddir):
-    return
-  how = ('with --mode build (the same --config and --workdir)' if name == 'synthetic_change'
-         else f'with --mode build --config.data.manual_dir=<folder> (see tfds_builders/{name}/'
-         'README.md)')
-  raise errors.UserError(f'the {name}/{bc} dataset this run is evaluated on is not built in '
-                         f'{ddir}; build it first {how}, then evaluate')

@@ -42,6 +42,7 @@ from procap_jax import errors
 from procap_jax import java_scorers
 
 RESERVED_NAMES = ('all', 'notes')
+_METRIC_ORDER = ('CIDEr', 'Bleu_4', 'METEOR', 'ROUGE_L', 'SPICE', 'Bleu_1', 'Bleu_2', 'Bleu_3')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +144,20 @@ def change_decision(predictions: Mapping[str, str], references: Mapping[str, Seq
   says_none = lambda i: _normalised(predictions[i]) in templates
   right = sum(not says_none(i) for i in change_ids) + sum(says_none(i) for i in no_change_ids)
   return right / max(1, len(change_ids) + len(no_change_ids))
+
+
+def flat_metrics(scores: dict) -> dict[str, float]:
+  """{'all': {...}, group: {...}} -> {'CIDEr': .., 'change/CIDEr': ..} (numbers only)."""
+  out = {}
+  for group, metrics in scores.items():
+    if not isinstance(metrics, dict):
+      continue  # 'notes'
+    names = sorted(metrics, key=lambda n: (_METRIC_ORDER + (n,)).index(n))
+    for name in names:
+      value = metrics[name]
+      if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        out[name if group == 'all' else f'{group}/{name}'] = float(value)
+  return out
 
 
 def clevr_groups(ids: Iterable[str]) -> dict[str, list[str]]:

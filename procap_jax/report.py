@@ -23,6 +23,7 @@ from pycocoevalcap.cider import cider  # noqa: E402
 from procap_jax import errors  # noqa: E402
 from procap_jax import semantic_scores  # noqa: E402
 from procap_jax.data import pipeline  # noqa: E402
+from procap_jax.procedure import sampling
 
 _METRICS = ('Bleu_1', 'Bleu_2', 'Bleu_3', 'Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr', 'SPICE')
 
@@ -322,6 +323,5 @@ def _error_gallery(config, workdir: str) -> str:
 def _batch_for(config, workdir: str, indices: list[int]) -> dict:
   src = pipeline.open_source(config, workdir, 'test')
   transform = pipeline.make_transform(config, workdir, train=False)
-  from procap_jax.procedure import sampling
   rows = [transform(src[i], i, sampling.keyframe_rng(config.seed, i, 0)) for i in indices]
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}

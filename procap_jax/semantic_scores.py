@@ -44,10 +44,13 @@ import re
 import sys
 from typing import Iterable, Mapping
 
+from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import evaluation
+from procap_jax.data import pipeline
 from tfds_builders.synthetic_change import captions as captions_lib
 from tfds_builders.synthetic_change import scene
+from tfds_builders.synthetic_change import synthetic_change_dataset_builder as builder_lib
 
 DATASET = 'synthetic_change'
 NONE = 'none'
@@ -279,7 +282,6 @@ def reference_rows(info: list[dict], ids: Iterable[str] | None = None) -> dict[s
   ceiling). Each: {'captioner': what it writes, 'metrics': BLEU, ROUGE-L, CIDEr overall and per
   group (`change`, `no_change`, each type) and the semantic scores}.
   """
-  from procap_jax.tasks import caption as caption_task  # jax-heavy; evaluation imports this
   kept = None if ids is None else set(ids)
   info = [rec for rec in info if kept is None or rec['pair_id'] in kept]
   truths = split_truths(info)
@@ -300,9 +302,9 @@ def reference_rows(info: list[dict], ids: Iterable[str] | None = None) -> dict[s
   for name, (captioner, caption_of) in rows.items():
     predictions = {i: caption_of(t) for i, t in truths.items()}
     scores = evaluation.score_captions(predictions, references,
-                                       groups=caption_task.change_groups(info, predictions),
+                                       groups=pipeline.change_groups(info, predictions),
                                        use_meteor=False, use_spice=False)
-    metrics = caption_task.flat_metrics(scores)
+    metrics = evaluation.flat_metrics(scores)
     metrics.update(score(predictions, truths)[0])
     out[name] = {'captioner': captioner, 'metrics': metrics}
   return out
@@ -318,10 +320,7 @@ def rescore(workdir: str, split: str, with_reference_rows: bool = False) -> dict
   """A finished run's saved predictions of `split` (`caption/predictions_<split>.json`) scored
   again: BLEU, ROUGE-L and CIDEr overall and per group (no METEOR), the semantic scores, the
   pairs per error class, and with `with_reference_rows` the reference rows on the same pairs."""
-  from procap_jax import caption  # pylint: disable=import-outside-toplevel
-  from procap_jax.data import pipeline  # pylint: disable=import-outside-toplevel
-  from procap_jax.tasks import caption as caption_task  # pylint: disable=import-outside-toplevel
-  config = caption.load_run_config(workdir)
+  config = config_lib.load_run_config(workdir)
   if not applies(config):
     raise errors.UserError(f'the run in {workdir} is on {config.data.name}; semantic scores exist '
                            f'for the {DATASET} benchmark only')
@@ -335,9 +334,9 @@ def rescore(workdir: str, split: str, with_reference_rows: bool = False) -> dict
   info = pipeline.load_split_info(config, split, workdir)
   references = {rec['pair_id']: rec['captions'] for rec in info}
   scores = evaluation.score_captions(predictions, references,
-                                     groups=caption_task.change_groups(info, predictions),
+                                     groups=pipeline.change_groups(info, predictions),
                                      use_meteor=False, use_spice=False)
-  metrics = caption_task.flat_metrics(scores)
+  metrics = evaluation.flat_metrics(scores)
   semantic, classes = score(predictions, split_truths(info))
   metrics.update(semantic)
   out = {'workdir': workdir, 'split': split, 'pairs': len(predictions), 'metrics': metrics,
@@ -371,9 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.workdir:
     out = rescore(args.workdir, args.split, args.reference_rows)
   elif args.data_dir:
-    from procap_jax.data import pipeline  # pylint: disable=import-outside-toplevel
-    from tfds_builders.synthetic_change import synthetic_change_dataset_builder as builder
-    builder.check_config_name(args.dataset_config)
+    builder_lib.check_config_name(args.dataset_config)
     info = pipeline.load_split_info(_dataset_config(args.data_dir, args.dataset_config),
                                     args.split, '')
     out = {'dataset': f'{DATASET}/{args.dataset_config}', 'split': args.split,

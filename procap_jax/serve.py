@@ -117,7 +117,7 @@ class DemoServer(http.server.ThreadingHTTPServer):
 
   def attach(self, demo) -> None:
     """Serves `demo` (a `captioning.Demo`): its page and examples are made here, once."""
-    from procap_jax.demo import page
+    from procap_jax.demo import page  # lazy: with captioning, after the port is bound
     self.demo = demo
     self.examples_json = [
         {'pair_id': e.pair_id, 'change_type': e.change_type, 'references': list(e.references),
@@ -238,7 +238,7 @@ def make_server(workdir: str, port: int = 8000, host: str = '127.0.0.1', which: 
     raise errors.UserError(f'cannot listen on {host} ({e.strerror}); pass --host 127.0.0.1 '
                            'or an address of this machine') from None
   try:
-    from procap_jax.demo import captioning
+    from procap_jax.demo import captioning  # lazy: the port is bound before the model code loads
     demo = captioning.Demo(workdir, which, examples)
     blank = np.zeros((demo.image_size, demo.image_size, 3), np.uint8)
     demo.run(blank, blank)  # compiles now, so the first visitor does not wait

@@ -17,11 +17,14 @@ from procap_jax import checkpointing
 from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import evaluation
+from procap_jax import report
 from procap_jax import semantic_scores
 from procap_jax import train
 from procap_jax.data import datasets
 from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
+from procap_jax.models import vqgan
+from procap_jax.procedure import scores as scores_lib
 from procap_jax.tasks import caption as caption_task
 from procap_jax.tasks import pretrain as pretrain_task
 from procap_jax.tasks import tokenizer as tokenizer_task
@@ -80,8 +83,6 @@ def _prepare_data(config, workdir: str) -> None:
 
 def _tokenizer_feature_fn(config, workdir: str):
   """The trained tokenizer's (frozen) encoder as a scores feature function."""
-  from procap_jax.models import vqgan
-  from procap_jax.procedure import scores as scores_lib
   variables = {'params': checkpointing.load_stage_variables(workdir, 'tokenizer')['params']}
   model = vqgan.VQGAN(**config.tokenizer.model)
   encode = jax.jit(lambda x: model.apply(variables, x, method=vqgan.VQGAN.encode_features))
@@ -90,7 +91,6 @@ def _tokenizer_feature_fn(config, workdir: str):
 
 
 def _compute_scores(config, workdir: str, path: str, feature: str = 'stats') -> None:
-  from procap_jax.procedure import scores as scores_lib
   t0 = time.time()
   if feature == 'stats':  # a plain function: scored on every core
     feature_fn, workers = scores_lib.FEATURES['stats'], len(os.sched_getaffinity(0))
@@ -192,7 +192,6 @@ def run_all(config, workdir: str) -> dict:
                                          batch['before'], batch['after'])
     return np.clip(np.rint(frames * 255), 0, 255).astype(np.uint8)
 
-  from procap_jax import report
   # Without procedure queries (static / no-queries variants, DUDA) there is nothing to imagine.
   imagines = config.caption.model.use_queries and config_lib.caption_kind(config) == 'procap'
   report.write_report(config, workdir, results, imagine_fn=imagine_fn if imagines else None)

@@ -20,6 +20,7 @@ import optax
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax import sharding
+from procap_jax import train_log
 from procap_jax.data import feature_cache
 from procap_jax.data import pipeline
 
@@ -247,79 +248,6 @@ def make_train_step(task: 'Task', model, config, tx, state_sh, batch_sh, const_s
                  compiler_options=compiler_options(mesh))
 
 
-# ----------------------------------------------------------------------------------------------
-# Logging.
-# ----------------------------------------------------------------------------------------------
-class MetricsLog:
-  """Appends JSON lines to `metrics.jsonl`; on resume drops lines past the restored step.
-
-  Only process 0 writes (every process of a multi-process run computes the same metrics).
-  """
-
-  def __init__(self, path: str, resume_step: int | None):
-    self.path = path
-    self._f = None
-    if jax.process_index() != 0:
-      return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    lines = []
-    if os.path.exists(path):
-      with open(path, encoding='utf-8') as f:
-        for line in f:
-          try:
-            rec = json.loads(line)
-          except json.JSONDecodeError:
-            continue  # a line cut by a kill
-          if resume_step is not None and rec.get('step', 0) <= resume_step:
-            lines.append(line if line.endswith('\n') else line + '\n')
-    errors.write_text_atomic(path, ''.join(lines))
-    self._f = open(path, 'a', encoding='utf-8')
-
-  def write(self, record: dict) -> None:
-    if self._f is None:
-      return
-    self._f.write(json.dumps(record) + '\n')
-    self._f.flush()
-
-  def close(self):
-    if self._f is not None:
-      self._f.close()
-
-
-def last_logged_step(path: str) -> int:
-  """The highest step in a stage's metrics.jsonl (0 when it is missing or has no step)."""
-  if not os.path.exists(path):
-    return 0
-  steps = [0]
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      try:
-        steps.append(int(json.loads(line).get('step', 0)))
-      except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
-        continue  # a line cut by a kill
-  return max(steps)
-
-
-def start_line(stage: str, checkpoint_dir: str, start: int | None, logged: int,
-               total: int) -> str:
-  """The line a stage prints when it starts: whether it resumes from a checkpoint (its step
-  `start`) or starts from step 0 (`start` None: no checkpoint), and which logged steps of an
-  earlier start are trained again because no checkpoint kept them, e.g.
-  `[tokenizer] starting from step 0 of 100 (no checkpoint in W/tokenizer/checkpoints); steps
-  1-3 of an earlier start were not checkpointed and are trained again`."""
-  if start is not None:
-    head = f'[{stage}] resuming from step {start} of {total} (checkpoint in {checkpoint_dir})'
-  else:
-    start = 0
-    head = f'[{stage}] starting from step 0 of {total} (no checkpoint in {checkpoint_dir})'
-  if logged > start:
-    first = start + 1
-    head += (f'; step {first} of an earlier start was not checkpointed and is trained again'
-             if logged == first else f'; steps {first}-{logged} of an earlier start were not '
-             'checkpointed and are trained again')
-  return head
-
-
 def _better(new: float, old: float | None, mode: str) -> bool:
   if old is None or not math.isfinite(old):
     return math.isfinite(new)
@@ -389,7 +317,7 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   best_value = None
   start = 0
   metrics_path = os.path.join(stage_dir, 'metrics.jsonl')
-  logged = last_logged_step(metrics_path)
+  logged = train_log.last_logged_step(metrics_path)
   if ckpts.latest_step() is not None:
     # Before restoring: a checkpoint of another model would fail inside orbax on its shapes.
     checkpointing.check_config_compatible((checkpointing.latest_meta(ckpts) or {}).get('config'),
@@ -401,12 +329,12 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
     start = int(jax.device_get(state.step))
     best_value = meta.get('best_value')
   resumed = ckpts.latest_step() is not None
-  print(start_line(task.name, os.path.join(stage_dir, 'checkpoints'), start if resumed else None,
-                   logged, total), flush=True)
+  print(train_log.start_line(task.name, os.path.join(stage_dir, 'checkpoints'),
+                             start if resumed else None, logged, total), flush=True)
   if not resumed and task.restore_init is not None:
     params = task.restore_init(jax.device_get(state.params), config, workdir)
     state = state.replace(params=jax.device_put(params, state_sh.params))
-  log = MetricsLog(metrics_path, start)
+  log = train_log.MetricsLog(metrics_path, start)
   meta_base = {'config': config.to_dict(), 'stage': task.name}
 
   def save(step_now: int, best: bool, metrics_now: dict | None = None):

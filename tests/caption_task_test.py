@@ -17,12 +17,14 @@ from configs import synthetic
 from procap_jax import config_lib
 from procap_jax import checkpointing
 from procap_jax import errors
+from procap_jax import evaluation
+from procap_jax.data import pipeline
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import procedure_encoder
 from procap_jax.tasks import caption
 from procap_jax.tasks import caption_optimizer
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 # ------------------------------------------------------------------ loss
 
@@ -233,11 +235,11 @@ def test_build_model_needs_the_vocabulary_size():
 def test_change_groups_and_flat_metrics():
   info = [{'pair_id': f'{i:06d}{s}', 'change_type': t, 'scene_id': i, 'captions': ['x']}
           for i, (s, t) in enumerate([('c', 1), ('nc', 0), ('c', 5), ('c', 1)])]
-  groups = caption.change_groups(info, [r['pair_id'] for r in info[:3]])
+  groups = pipeline.change_groups(info, [r['pair_id'] for r in info[:3]])
   assert groups == {'color': ['000000c'], 'none': ['000001nc'], 'move': ['000002c'],
                     'change': ['000000c', '000002c'], 'no_change': ['000001nc']}
-  assert 'change' not in caption.change_groups(info, ['000000c', '000002c'])
-  flat = caption.flat_metrics({'all': {'Bleu_4': 0.5, 'CIDEr': 1.5, 'SPICE': None},
+  assert 'change' not in pipeline.change_groups(info, ['000000c', '000002c'])
+  flat = evaluation.flat_metrics({'all': {'Bleu_4': 0.5, 'CIDEr': 1.5, 'SPICE': None},
                                'color': {'CIDEr': 2.0}, 'notes': ['n']})
   assert flat == {'CIDEr': 1.5, 'Bleu_4': 0.5, 'color/CIDEr': 2.0}
   assert list(flat)[0] == 'CIDEr'

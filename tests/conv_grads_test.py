@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from procap_jax.models import banded_conv
 from procap_jax.models import conv_grads
-from procap_jax.models import vqgan
+from procap_jax.models import vqgan_layers
 
 SHAPES = [  # (x shape, kernel shape, strides, padding)
     ((2, 8, 8, 16), (3, 3, 16, 24), (1, 1), 'SAME'),
@@ -70,11 +71,11 @@ def test_gradients_match_library_inside_a_loop():
 
 
 def test_vqgan_convolutions_take_the_products_inside_loops_and_on_large_images(monkeypatch):
-  """vqgan.conv's float32 convolutions run conv_grads.conv (same values and gradients as the
+  """vqgan_layers.conv's float32 convolutions run conv_grads.conv (same values and gradients as the
   library's) inside `in_loop()` and from MIN_PIXELS output pixels on, and the library's
   otherwise; dilated ones always the library's."""
   x = _random((2, 8, 8, 8), 0)
-  layer = vqgan.conv(16, 4, 'c', jnp.float32, 2, 1)
+  layer = vqgan_layers.conv(16, 4, 'c', jnp.float32, 2, 1)
   params = layer.init(jax.random.key(3), x)
 
   def jaxpr():
@@ -92,7 +93,8 @@ def test_vqgan_convolutions_take_the_products_inside_loops_and_on_large_images(m
   assert not conv_grads.supported(x, kernel, 'SAME', None, (2, 2), numbers, 1, {})
   assert not conv_grads.supported(x.astype(jnp.bfloat16), kernel, 'SAME', None, None, numbers, 1,
                                   {})
-  dilated = nn.Conv(16, (3, 3), kernel_dilation=2, conv_general_dilated=vqgan.conv_general_dilated)
+  dilated = nn.Conv(16, (3, 3), kernel_dilation=2,
+                    conv_general_dilated=banded_conv.conv_general_dilated)
   p2 = dilated.init(jax.random.key(4), x)
   ref = nn.Conv(16, (3, 3), kernel_dilation=2).apply(p2, x)
   np.testing.assert_allclose(dilated.apply(p2, x), ref, rtol=1e-6, atol=1e-6)
@@ -106,7 +108,8 @@ def test_banded_backward_products_match_library(stride):
 
   def grads(products):
     return jax.grad(lambda a, k: jnp.sum(
-        vqgan.banded_conv3x3(a, k, stride, products).astype(jnp.float32) ** 2), (0, 1))(x, kernel)
+        banded_conv.banded_conv3x3(a, k, stride, products).astype(jnp.float32) ** 2),
+        (0, 1))(x, kernel)
 
   for g, r in zip(grads(True), grads(False)):
     np.testing.assert_allclose(g.astype(jnp.float32), r.astype(jnp.float32), rtol=2e-2, atol=2e-2)

@@ -184,7 +184,7 @@ def test_captioner_api_matches_the_evaluation_path(finished_run, tmp_path):
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import margins  # pylint: disable=import-outside-toplevel
   from procap_jax.data import vocab as vocab_lib  # pylint: disable=import-outside-toplevel
-  from procap_jax.tasks import encodings  # pylint: disable=import-outside-toplevel
+  from procap_jax.models import encodings  # pylint: disable=import-outside-toplevel
   params, tokenizer = nn.meta.unbox(state.params), caption_task.vqgan_tokenizer(run_config)
 
   @jax.jit

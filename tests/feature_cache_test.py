@@ -17,7 +17,7 @@ from procap_jax.data import pipeline
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.diagnostics import stand_ins
 from procap_jax.tasks import caption
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 from procap_jax.tasks import pretrain
 
 

@@ -142,13 +142,13 @@ def test_change_and_no_change_pairs_are_scored_apart(levir):
   """The stored changeflag picks the pairs of the change / no-change scores: a captioner that
   says "no change" everywhere is perfect on the no-change pairs only."""
   from procap_jax import evaluation
-  from procap_jax.tasks import caption
+  from procap_jax.data import pipeline
   builder, _, entries = levir
   info = [{'pair_id': _text(r['pair_id']), 'change_type': int(r['change_type']),
            'captions': [_text(c) for c in r['captions']]} for r in _records(builder, 'test')]
   references = {r['pair_id']: r['captions'] for r in info}
   predictions = {i: NO_CHANGE[0] for i in references}
-  groups = caption.change_groups(info, predictions)
+  groups = pipeline.change_groups(info, predictions)
   flags = {e['filename']: e['changeflag'] for e in entries}
   assert groups['change'] == [i for i in references if flags[i] == 1] == groups['other']
   assert groups['no_change'] == [i for i in references if flags[i] == 0] == groups['none']

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from procap_jax.models import accumulating
+from procap_jax.models import attention
 from procap_jax.models import decoder
 from procap_jax.models import layers
 
@@ -45,14 +47,14 @@ def test_accumulating_dot_general_matches_float32_product_and_gradients():
   dims = (((2,), (0,)), ((), ()))
 
   def fast(x, w):
-    return layers.accumulating_dot_general(x, w, dims).astype(jnp.float32)
+    return accumulating.accumulating_dot_general(x, w, dims).astype(jnp.float32)
 
   def ref(x, w):
     return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims)
 
   y, vjp = jax.vjp(fast, x, w)
   y_ref, vjp_ref = jax.vjp(ref, x, w)
-  assert layers.accumulating_dot_general(x, w, dims).dtype == BF16
+  assert accumulating.accumulating_dot_general(x, w, dims).dtype == BF16
   _close(y, y_ref, 1e-2)  # the result is rounded to bfloat16 once
   for got, want in zip(vjp(g), vjp_ref(g)):
     assert got.dtype == BF16
@@ -61,7 +63,7 @@ def test_accumulating_dot_general_matches_float32_product_and_gradients():
 
 def test_dense_class_is_flax_dense_for_float32_only():
   assert layers.dense_class(jnp.float32) is nn.Dense
-  assert layers.dense_class(BF16) is layers.AccumulatingDense
+  assert layers.dense_class(BF16) is accumulating.AccumulatingDense
 
 
 @pytest.mark.parametrize('use_bias', [True, False])
@@ -70,9 +72,9 @@ def test_accumulating_dense_is_flax_dense_with_a_float32_accumulated_bias_gradie
   x = _bf16(k1, (3, 40, 16))
   g = jax.random.normal(k3, (3, 40, 8)).astype(BF16)
   kwargs = dict(features=8, use_bias=use_bias, dtype=BF16,
-                dot_general=layers.accumulating_dot_general,
+                dot_general=accumulating.accumulating_dot_general,
                 bias_init=nn.initializers.normal(1.0))
-  flax_dense, ours = nn.Dense(**kwargs), layers.AccumulatingDense(**kwargs)
+  flax_dense, ours = nn.Dense(**kwargs), accumulating.AccumulatingDense(**kwargs)
   params = flax_dense.init(k2, x)
   assert jax.tree.map(jnp.shape, ours.init(k2, x)) == jax.tree.map(jnp.shape, params)
   y, vjp = jax.vjp(lambda p, x: ours.apply(p, x), params, x)
@@ -90,7 +92,7 @@ def test_accumulating_dense_is_flax_dense_with_a_float32_accumulated_bias_gradie
 def test_accumulating_dot_general_rejects_other_contractions():
   x, w = jnp.ones((4, 3), BF16), jnp.ones((4, 5), BF16)
   with pytest.raises(ValueError, match='nn.Dense contractions'):
-    layers.accumulating_dot_general(x, w, (((0,), (0,)), ((), ())))
+    accumulating.accumulating_dot_general(x, w, (((0,), (0,)), ((), ())))
 
 
 @pytest.mark.parametrize('spec,a_shape,b_shape', [
@@ -101,7 +103,7 @@ def test_accumulating_dot_general_rejects_other_contractions():
 def test_accumulating_einsum_matches_float32_einsum_and_gradients(spec, a_shape, b_shape):
   k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
   a, b = _bf16(k1, a_shape), _bf16(k2, b_shape)
-  y, vjp = jax.vjp(lambda a, b: layers.accumulating_einsum(spec, a, b), a, b)
+  y, vjp = jax.vjp(lambda a, b: accumulating.accumulating_einsum(spec, a, b), a, b)
   y_ref, vjp_ref = jax.vjp(
       lambda a, b: jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32)), a, b)
   assert y.dtype == jnp.float32
@@ -114,7 +116,7 @@ def test_accumulating_einsum_matches_float32_einsum_and_gradients(spec, a_shape,
 
 def test_accumulating_einsum_rejects_an_index_summed_in_one_operand():
   with pytest.raises(ValueError, match='every index'):
-    layers.accumulating_einsum('ij,jk->k', jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16))
+    accumulating.accumulating_einsum('ij,jk->k', jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16))
 
 
 @pytest.mark.parametrize('chunk,group', [(0, 0), (3, 0), (0, 2)])
@@ -159,7 +161,7 @@ def test_bfloat16_decoder_tracks_float32_decoder():
 @pytest.mark.parametrize('shape', [(2, 5, 7), (1, 3, 64), (2, 4, 96), (3, 6, 1)])
 def test_transposed_in_memory_is_a_transpose(shape):
   x = jax.random.normal(jax.random.key(0), shape).astype(BF16)
-  np.testing.assert_array_equal(np.asarray(layers._transposed_in_memory(x), np.float32),
+  np.testing.assert_array_equal(np.asarray(attention._transposed_in_memory(x), np.float32),
                                 np.asarray(jnp.swapaxes(x, 1, 2), np.float32))
 
 
@@ -181,7 +183,7 @@ def test_bfloat16_grouped_attention_gradient_multiplies_bfloat16_operands():
   q, k, v = (_bf16(key, (2, 48, 2, 16)) for key in jax.random.split(jax.random.key(3), 3))
 
   def loss(q, k, v):
-    out = layers.grouped_attention(q, k, v, None, 2, 0.25)
+    out = attention.grouped_attention(q, k, v, None, 2, 0.25)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()

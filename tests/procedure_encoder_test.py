@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from procap_jax.models import attention
 from procap_jax.models import layers
 from procap_jax.models import procedure_encoder as pe
 from procap_jax.tasks import pretrain
@@ -319,7 +320,7 @@ def test_scan_keep_dense_recomputes_no_product():
 
 
 def test_chunked_attention_matches_full_attention_with_a_mask():
-  """layers.chunked_attention against jax.nn.dot_product_attention on random inputs and a
+  """attention.chunked_attention against jax.nn.dot_product_attention on random inputs and a
   random mask (every row keeps at least one key), for chunk sizes below, at and above S."""
   from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
   kq, kk, kv, km = jax.random.split(jax.random.PRNGKey(3), 4)
@@ -328,14 +329,14 @@ def test_chunked_attention_matches_full_attention_with_a_mask():
   mask = mask.at[..., 0].set(True)
   full = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=0.3)
   for chunk in (3, 5, 10, 16):
-    np.testing.assert_allclose(layers.chunked_attention(q, k, v, mask, chunk, 0.3), full,
+    np.testing.assert_allclose(attention.chunked_attention(q, k, v, mask, chunk, 0.3), full,
                                rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('mask_shape', [None, (1, 1, 10, 10), (2, 1, 10, 10), (1, 3, 10, 10),
                                         (2, 3, 10, 10), (10, 10)])
 def test_grouped_attention_matches_full_attention(mask_shape):
-  """layers.grouped_attention against jax.nn.dot_product_attention, values and gradients, for
+  """attention.grouped_attention against jax.nn.dot_product_attention, values and gradients, for
   masks shared by all pairs or differing by batch row and/or head (every row keeps a key), and
   groups of 1, 2, 4 (-> 3: the largest divisor of the 6 pairs) and more pairs than exist."""
   from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
@@ -352,7 +353,7 @@ def test_grouped_attention_matches_full_attention(mask_shape):
   full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=0.3)
   want, want_g = jax.value_and_grad(loss(full), argnums=(0, 1, 2))(q, k, v)
   for group in (1, 2, 4, 9):
-    grouped = lambda q, k, v, g=group: layers.grouped_attention(q, k, v, mask, g, 0.3)
+    grouped = lambda q, k, v, g=group: attention.grouped_attention(q, k, v, mask, g, 0.3)
     np.testing.assert_allclose(grouped(q, k, v), full(q, k, v), rtol=1e-5, atol=1e-6)
     got, got_g = jax.value_and_grad(loss(grouped), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -376,7 +377,7 @@ def test_grouped_attention_keeps_each_devices_rows_on_a_data_parallel_mesh(mask_
   mask = None if mask_shape is None else jnp.tril(jnp.ones(mask_shape, bool))
 
   def forward_and_vjp(q, k, v, cot):
-    out, vjp = jax.vjp(lambda q, k, v: layers.grouped_attention(q, k, v, mask, 8, 0.3), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: attention.grouped_attention(q, k, v, mask, 8, 0.3), q, k, v)
     return (out, *vjp(cot))
 
   on_mesh = jax.jit(forward_and_vjp, in_shardings=(rows,) * 4, out_shardings=(rows,) * 4)
@@ -392,7 +393,7 @@ def test_grouped_attention_rejects_a_group_below_one():
   from procap_jax.models import layers  # pylint: disable=import-outside-toplevel
   x = jnp.ones((1, 4, 2, 3))
   with pytest.raises(ValueError, match='positive number'):
-    layers.grouped_attention(x, x, x, None, 0, 1.0)
+    attention.grouped_attention(x, x, x, None, 0, 1.0)
 
 
 def _bce_trainer(logits, params):

@@ -20,7 +20,7 @@ from procap_jax.diagnostics import stand_ins
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import vqgan
 from procap_jax.tasks import caption
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 
 def _pairs(n: int, seed: int = 0) -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from procap_jax.convert import torch_files
+from procap_jax.convert import torch_pickle
 
 FIXTURES = pathlib.Path(__file__).parent / 'parity' / 'fixtures'
 EXPECTED = np.load(FIXTURES / 'reader_expected.npz')
@@ -43,7 +44,7 @@ def test_dtypes_views_and_shared_storage_are_kept():
 
 def test_key_selects_and_other_objects_stay_inert():
   tree = torch_files.load(str(FIXTURES / 'reader_mixed.pt'))
-  assert isinstance(tree['args'], torch_files.Opaque)
+  assert isinstance(tree['args'], torch_pickle.Opaque)
   assert tree['args'].name == 'argparse.Namespace' and tree['args'].state == {'lr': 1e-4}
   optimizer = torch_files.state_dict(str(FIXTURES / 'reader_mixed.pt'), key='optimizer')
   assert list(optimizer) == ['state.0.exp_avg']
@@ -77,7 +78,7 @@ def test_no_global_of_the_file_is_executed(tmp_path):
   payload = b'cos\nsystem\n(S\'touch ' + str(marker).encode() + b'\'\ntR.'
   _zip_with_pickle(tmp_path / 'evil.pt', payload)
   obj = torch_files.load(str(tmp_path / 'evil.pt'))
-  assert isinstance(obj, torch_files.Opaque) and obj.name == 'os.system'
+  assert isinstance(obj, torch_pickle.Opaque) and obj.name == 'os.system'
   assert not marker.exists()
 
 

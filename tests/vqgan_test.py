@@ -10,7 +10,9 @@ import pytest
 
 from configs import synthetic
 from procap_jax import sharding
+from procap_jax.models import banded_conv
 from procap_jax.models import vqgan
+from procap_jax.models import vqgan_layers
 
 import jaxpr_counts  # tests/ is on the path (pytest's default import mode)
 import margins
@@ -155,7 +157,7 @@ def test_attention_at_listed_resolutions_only():
 @pytest.mark.parametrize('channels, groups', [(8, 8), (16, 16), (32, 32), (48, 16), (128, 32),
                                               (512, 32)])
 def test_group_count(channels, groups):
-  assert vqgan.num_groups(channels) == groups
+  assert vqgan_layers.num_groups(channels) == groups
 
 
 def test_nearest_code_on_hand_made_codebook():
@@ -193,7 +195,7 @@ def test_downsample_asymmetric_padding_by_hand():
   x = jnp.arange(16, dtype=jnp.float32).reshape(1, 4, 4, 1)  # x[i, j] = 4 i + j
   kernel = jnp.zeros((3, 3, 1, 1)).at[0, 0].set(1.0).at[2, 2].set(2.0)
   params = {'conv': {'kernel': kernel, 'bias': jnp.zeros((1,))}}
-  y = vqgan.Downsample().apply({'params': params}, x)
+  y = vqgan_layers.Downsample().apply({'params': params}, x)
   # Zero pad only right/bottom to 5x5, VALID stride 2: out[p, q] = x[2p, 2q] + 2 xpad[2p+2, 2q+2].
   # out[0,0] = 0 + 2*10, out[0,1] = 2 + 2*pad, out[1,0] = 8 + 2*pad, out[1,1] = 10 + 2*pad.
   np.testing.assert_allclose(y[0, :, :, 0], [[20.0, 2.0], [8.0, 10.0]])
@@ -204,7 +206,8 @@ def test_downsample_asymmetric_padding_by_hand():
 def test_upsample_is_nearest_then_conv():
   x = jnp.arange(4, dtype=jnp.float32).reshape(1, 2, 2, 1)
   identity = jnp.zeros((3, 3, 1, 1)).at[1, 1].set(1.0)
-  y = vqgan.Upsample().apply({'params': {'conv': {'kernel': identity, 'bias': jnp.zeros(1)}}}, x)
+  y = vqgan_layers.Upsample().apply(
+      {'params': {'conv': {'kernel': identity, 'bias': jnp.zeros(1)}}}, x)
   np.testing.assert_allclose(y[0, :, :, 0], [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3],
                                              [2, 2, 3, 3]])
 
@@ -271,11 +274,11 @@ def test_banded_conv3x3_matches_library_convolution(shape, out, stride):
   scale = float(jnp.abs(ref).max())
   height = ref.shape[1]
   for rows in [r for r in range(1, height + 1) if height % r == 0]:
-    got = vqgan._band_product(x, kernel, rows, stride)
+    got = banded_conv._band_product(x, kernel, rows, stride)
     assert got.shape == ref.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, atol=1e-5 * scale, rtol=0)
   loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))  # noqa: E731
-  grads = jax.grad(loss(lambda a, b: vqgan.banded_conv3x3(a, b, stride)), (0, 1))(x, kernel)
+  grads = jax.grad(loss(lambda a, b: banded_conv.banded_conv3x3(a, b, stride)), (0, 1))(x, kernel)
   ref_grads = jax.grad(loss(lambda a, b: _library_conv(a, b, (stride, stride), padding)),
                        (0, 1))(x, kernel)
   for g, r in zip(grads, ref_grads):
@@ -288,7 +291,7 @@ def test_winograd_product_matches_library_convolution():
   ref = _library_conv(x, kernel)
   scale = float(jnp.abs(ref).max())
   for rows in (2, 4, 6, 12):
-    got = vqgan._winograd_product(x, kernel, rows)
+    got = banded_conv._winograd_product(x, kernel, rows)
     assert got.shape == ref.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, atol=1e-5 * scale, rtol=0)
 
@@ -298,12 +301,13 @@ def test_banded_conv3x3_takes_winograd_on_wide_images(monkeypatch):
   kernel = jax.random.normal(jax.random.key(1), (3, 3, 32, 16)) / 10
   xb, kb = x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16)
   ref = _library_conv(xb.astype(jnp.float32), kb.astype(jnp.float32))
-  plain = vqgan.banded_conv3x3(xb, kb)  # 8 px: below WINOGRAD_MIN_SIDE
-  monkeypatch.setattr(vqgan, 'WINOGRAD_MIN_SIDE', 8)
-  wino = vqgan.banded_conv3x3(xb, kb)
+  plain = banded_conv.banded_conv3x3(xb, kb)  # 8 px: below WINOGRAD_MIN_SIDE
+  monkeypatch.setattr(banded_conv, 'WINOGRAD_MIN_SIDE', 8)
+  wino = banded_conv.banded_conv3x3(xb, kb)
   assert wino.dtype == jnp.bfloat16
   np.testing.assert_array_equal(
-      wino, vqgan._winograd_product(xb, kb, vqgan.winograd_rows(8, 8, 32, 2)).astype(jnp.bfloat16))
+      wino, banded_conv._winograd_product(
+          xb, kb, banded_conv.winograd_rows(8, 8, 32, 2)).astype(jnp.bfloat16))
   def rel(a):
     return float(jnp.linalg.norm(a.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
 
@@ -311,26 +315,26 @@ def test_banded_conv3x3_takes_winograd_on_wide_images(monkeypatch):
   assert rel(plain) < 0.005 and rel(wino) < 0.01 and not np.array_equal(wino, plain)
   # odd sides keep the plain bands; the backward is the library's either way
   odd = x[:, :7, :7].astype(jnp.bfloat16)
-  np.testing.assert_array_equal(vqgan.banded_conv3x3(odd, kb),
-                                vqgan._band_product(odd, kb, 7).astype(jnp.bfloat16))
+  np.testing.assert_array_equal(banded_conv.banded_conv3x3(odd, kb),
+                                banded_conv._band_product(odd, kb, 7).astype(jnp.bfloat16))
   loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b).astype(jnp.float32)))  # noqa: E731
-  grads = jax.grad(loss(vqgan.banded_conv3x3), (0, 1))(xb, kb)
+  grads = jax.grad(loss(banded_conv.banded_conv3x3), (0, 1))(xb, kb)
   ref_grads = jax.grad(loss(_library_conv), (0, 1))(xb.astype(jnp.float32), kb.astype(jnp.float32))
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g.astype(jnp.float32), r, atol=0.02 * float(jnp.abs(r).max()))
 
 
 def test_winograd_rows_is_the_largest_even_divisor_within_the_budget():
-  assert vqgan.winograd_rows(224, 224, 128, 2) == 16  # 4 x 16 x 224 x 128 x 2 bytes <= 4 MiB
-  assert vqgan.winograd_rows(112, 112, 128, 2) == 28
-  assert vqgan.winograd_rows(10, 10, 2**20, 4) == 2  # nothing fits: two rows at a time
+  assert banded_conv.winograd_rows(224, 224, 128, 2) == 16  # 4 x 16 x 224 x 128 x 2 bytes <= 4 MiB
+  assert banded_conv.winograd_rows(112, 112, 128, 2) == 28
+  assert banded_conv.winograd_rows(10, 10, 2**20, 4) == 2  # nothing fits: two rows at a time
 
 
 def test_band_rows_is_the_largest_divisor_within_the_budget():
-  assert vqgan.band_rows(224, 224, 128, 2) == 8  # (8 + 2) x 224 x 384 x 2 bytes <= 2 MiB
-  assert vqgan.band_rows(14, 14, 512, 2) == 14
-  assert vqgan.band_rows(13, 13, 512, 2, budget=1) == 1  # nothing fits: one row at a time
-  assert vqgan.band_rows(12, 10, 32, 4, budget=(6 + 2) * 10 * 96 * 4) == 6
+  assert banded_conv.band_rows(224, 224, 128, 2) == 8  # (8 + 2) x 224 x 384 x 2 bytes <= 2 MiB
+  assert banded_conv.band_rows(14, 14, 512, 2) == 14
+  assert banded_conv.band_rows(13, 13, 512, 2, budget=1) == 1  # nothing fits: one row at a time
+  assert banded_conv.band_rows(12, 10, 32, 4, budget=(6 + 2) * 10 * 96 * 4) == 6
 
 
 def test_conv_general_dilated_routes_by_dtype_and_shape():
@@ -339,7 +343,7 @@ def test_conv_general_dilated_routes_by_dtype_and_shape():
   dims = jax.lax.conv_dimension_numbers(x.shape, k3.shape, ('NHWC', 'HWIO', 'NHWC'))
 
   def ours(a, k, strides=(1, 1), padding='SAME'):
-    return vqgan.conv_general_dilated(a, k, strides, padding, dimension_numbers=dims)
+    return banded_conv.conv_general_dilated(a, k, strides, padding, dimension_numbers=dims)
 
   # float32: the library convolution itself, bit for bit.
   np.testing.assert_array_equal(ours(x, k3), _library_conv(x, k3))
@@ -347,11 +351,11 @@ def test_conv_general_dilated_routes_by_dtype_and_shape():
   # bfloat16 3x3 stride 1: the row bands (float32 sums of the bf16 operands, result bf16).
   banded = ours(xb, kb)
   assert banded.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(banded, vqgan.banded_conv3x3(xb, kb))
+  np.testing.assert_array_equal(banded, banded_conv.banded_conv3x3(xb, kb))
   # bfloat16 3x3 stride 2 'VALID' (the downsample): the row bands too.
   down = ours(xb, kb, (2, 2), 'VALID')
   assert down.dtype == jnp.bfloat16 and down.shape == (1, 3, 3, 16)
-  np.testing.assert_array_equal(down, vqgan.banded_conv3x3(xb, kb, 2))
+  np.testing.assert_array_equal(down, banded_conv.banded_conv3x3(xb, kb, 2))
   # other bfloat16 convolutions (here stride 2 'SAME', and a 1x1): the library's float32 form.
   strided = ours(xb, kb, (2, 2), 'SAME')
   assert strided.dtype == jnp.bfloat16
@@ -369,8 +373,8 @@ def test_group_norm_statistics_in_one_pass_only_for_bfloat16():
   x = 10 + jax.random.normal(jax.random.key(0), (2, 8, 8, 32))
   ref = (x - x.mean((1, 2), keepdims=True)) / jnp.sqrt(x.var((1, 2), keepdims=True) + 1e-6)
   for dtype, one_pass in ((jnp.float32, False), (jnp.bfloat16, True)):
-    norm = vqgan.group_norm(32, 'n', dtype)  # 32 groups of one channel
-    assert isinstance(norm, vqgan.ChannelSumsGroupNorm) == one_pass
+    norm = vqgan_layers.group_norm(32, 'n', dtype)  # 32 groups of one channel
+    assert isinstance(norm, vqgan_layers.ChannelSumsGroupNorm) == one_pass
     assert one_pass or not norm.use_fast_variance
     got = norm.apply(norm.init(jax.random.key(1), x), x)
     assert got.dtype == jnp.float32
@@ -386,8 +390,8 @@ def test_channel_sums_group_norm_is_flax_one_pass_group_norm(shape):
   """Same parameters (names, shapes, logical axes) and values as flax's GroupNorm with one-pass
   statistics, groups of several channels, for 4-d and 3-d inputs and bf16 or float32 x."""
   x = 3 + 2 * jax.random.normal(jax.random.key(0), shape)
-  ours = vqgan.ChannelSumsGroupNorm(vqgan.num_groups(shape[-1]))
-  flax_norm = nn.GroupNorm(num_groups=vqgan.num_groups(shape[-1]), epsilon=1e-6,
+  ours = vqgan_layers.ChannelSumsGroupNorm(vqgan_layers.num_groups(shape[-1]))
+  flax_norm = nn.GroupNorm(num_groups=vqgan_layers.num_groups(shape[-1]), epsilon=1e-6,
                            use_fast_variance=True, dtype=jnp.float32,
                            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros,

@@ -1,8 +1,8 @@
 """Builds on Apache Beam through TFDS's own Beam support: one machine or a cluster.
 
 Every builder makes its records with a per-example function (`generate.scene_examples` for
-synthetic_change, `common.indexed_example` for the real datasets). Without Beam options (the
-default) the builder runs it in this process or a local process pool and yields the records to
+synthetic_change, `pair_examples.indexed_example` for the real datasets). Without Beam options
+(the default) the builder runs it in this process or a local process pool and yields the records to
 TFDS's sequential writer. With Beam options, the builder returns
 `beam.Create(tasks) | beam.FlatMap(fn)` instead and TFDS's `BeamWriter` writes the same records
 (same keys, same order, array_record) from a Beam pipeline: DirectRunner worker processes on one

@@ -36,15 +36,13 @@ from typing import Any, Iterable, Iterator
 from absl import logging
 import h5py
 import numpy as np
-import PIL.Image
 import tensorflow_datasets as tfds
 
 from procap_jax import errors
 from procap_jax import progress
-from procap_jax.data import images
 from procap_jax.data import vocab as vocab_lib
-from procap_jax.procedure import interpolation
 from tfds_builders import beam_build
+from tfds_builders import pair_examples
 
 CHANGE_TYPES = ('none', 'color', 'material', 'add', 'drop', 'move', 'other')
 SPLITS = ('train', 'val', 'test')
@@ -227,59 +225,6 @@ def _copy_atomic(src: str, dst: str) -> None:
     shutil.copyfile(src, tmp)
 
 
-# ------------------------------------------------------------------------------ making examples
-
-_H5_FILES: dict[str, h5py.File] = {}
-
-
-def _resize(frame: np.ndarray, size: int) -> np.ndarray:
-  if frame.shape[:2] == (size, size):
-    return frame
-  return np.asarray(PIL.Image.fromarray(frame).resize((size, size), PIL.Image.Resampling.BILINEAR))
-
-
-def _h5_frames(path: str, key: str, size: int, num_frames: int) -> np.ndarray:
-  if path not in _H5_FILES:
-    _H5_FILES[path] = h5py.File(path, 'r')
-  try:
-    arr = np.asarray(_H5_FILES[path][key])
-  except KeyError:
-    raise errors.UserError(f'{path} has no key {key!r}; download the file again') from None
-  if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[:2] != (num_frames, 3):
-    raise errors.UserError(f'{path} key {key!r} holds {arr.dtype} {list(arr.shape)}; expected '
-                           f'uint8 [{num_frames}, 3, H, W] (the authors\' pseudo-sequence layout)')
-  return np.stack([_resize(np.ascontiguousarray(f.transpose(1, 2, 0)), size) for f in arr])
-
-
-def make_example(task: tuple[str, Pair, int, str, int]) -> tuple[str, dict]:
-  """Loads (or interpolates) one pair's frames and returns (key, feature dict of PNG bytes)."""
-  manual_dir, pair, size, method, num_frames = task
-  if method == 'h5':
-    frames = _h5_frames(os.path.join(manual_dir, pair.h5_file), pair.h5_key, size, num_frames)
-  else:
-    before = images.load_image(os.path.join(manual_dir, pair.before), size)
-    after = images.load_image(os.path.join(manual_dir, pair.after), size)
-    frames = interpolation.interpolate(before, after, num_frames=num_frames, method=method,
-                                       size=size)
-  if frames.shape != (num_frames, size, size, 3) or frames.dtype != np.uint8:
-    raise RuntimeError(f'{pair.pair_id}: frames are {frames.dtype} {frames.shape}, expected '
-                       f'uint8 {(num_frames, size, size, 3)}')
-  pngs = [images.encode_png(f) for f in frames]
-  return pair.pair_id, {
-      'pair_id': pair.pair_id, 'scene_id': pair.scene_id, 'change_type': pair.change_type,
-      'before': pngs[0], 'after': pngs[-1], 'frames': pngs, 'oracle_frames': [],
-      'captions': list(pair.captions), 'change_params': '{}',
-  }
-
-
-def indexed_example(task: tuple[int, tuple[str, Pair, int, str, int]]) -> list[tuple[int, dict]]:
-  """The Beam path's `make_example`: (index in the split, task) -> [(index, example)].
-
-  Integer keys in split order: the records the sequential writer stores, which numbers the
-  pair-id keys in order since shuffling is disabled.
-  """
-  index, example_task = task
-  return [(index, make_example(example_task)[1])]
 
 
 def _worker_count(requested: int | None, num_tasks: int) -> int:
@@ -390,7 +335,7 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     cfg = self.builder_config
     tasks = [(manual_dir, p, cfg.image_size, cfg.method, cfg.num_frames) for p in pairs]
     if self._use_beam:
-      return beam_build.examples(list(enumerate(tasks)), indexed_example)
+      return beam_build.examples(list(enumerate(tasks)), pair_examples.indexed_example)
     return self._local_examples(split, tasks)
 
   def _local_examples(self, split: str, tasks: list[tuple]) -> Iterator[tuple[str, dict]]:
@@ -400,18 +345,18 @@ class PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     try:
       if workers == 1:
         for task in tasks:
-          yield make_example(task)
+          yield pair_examples.make_example(task)
           bar.update()
       else:
         chunk = max(1, min(16, len(tasks) // (workers * 8)))
         with multiprocessing.get_context('spawn').Pool(workers) as pool:
-          for result in pool.imap(make_example, tasks, chunksize=chunk):
+          for result in pool.imap(pair_examples.make_example, tasks, chunksize=chunk):
             yield result
             bar.update()
     finally:
       bar.close()
-      while _H5_FILES:
-        _H5_FILES.popitem()[1].close()
+      while pair_examples._H5_FILES:
+        pair_examples._H5_FILES.popitem()[1].close()
 
 
 def build(builder_cls: type[PairsBuilder], builder_config: str, data_dir: str, manual_dir: str,

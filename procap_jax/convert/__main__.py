@@ -29,8 +29,19 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from procap_jax import checkpointing
+from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import main as main_lib  # --config, --workdir and their one-sentence errors
+from procap_jax import sharding
+from procap_jax import stages
+from procap_jax import train
+from procap_jax.convert import common
+from procap_jax.convert import init
+from procap_jax.convert import taming
+from procap_jax.convert import torch_files
+from procap_jax.data import pipeline
+from procap_jax.diagnostics import stand_ins
 
 _STAGE1 = flags.DEFINE_string('stage1', '', 'procap: a released stage-1 checkpoint as well.')
 _STRICT = flags.DEFINE_bool('strict', False, 'Refuse a weight file whose pickle names code '
@@ -62,9 +73,6 @@ def _what_takes(kind: str | None, path: str) -> str:
 def check_kind(conversion: str, role: str, path: str, state: dict) -> None:
   """Raises one sentence unless `state` (read from `path`) is the kind `conversion` takes in
   `role`: naming the file, what it looks like and the command that takes it."""
-  from procap_jax.convert import common
-  from procap_jax.convert import init
-  from procap_jax.convert import taming
   want = _EXPECTED[(conversion, role)]
   kind = init.identify(state)
   if want == 'taming' and taming.MARK in init.vqgan_state(state):
@@ -86,10 +94,6 @@ def _initialised_why(path: tuple[str, ...]) -> str:
 def _fresh_state(config, stage: str):
   """(task, a freshly initialised TrainState of `stage`, its shardings) on the config's mesh."""
   import jax
-  from procap_jax import sharding
-  from procap_jax import stages
-  from procap_jax import train
-  from procap_jax.diagnostics import stand_ins
   task = stages.TASKS[stage]
   model = task.build_model(config)
   mesh = sharding.mesh_from_config(config)
@@ -109,8 +113,6 @@ def converted_from_file(config, stage: str, path: str, state: dict, allow_init: 
   import flax
   import jax
   from flax import linen as nn
-  from procap_jax.convert import common
-  from procap_jax.convert import init
   _, fresh, state_sh = _fresh_state(config, stage)
   new = init.converted(stage, config, path, state)
   ours = flax.traverse_util.flatten_dict(nn.meta.unbox(jax.device_get(fresh.params)))
@@ -142,8 +144,6 @@ def converted_state(config, stage: str):
 
 def write_stage(config, workdir: str, stage: str, state, source: str) -> None:
   """Saves `state` as `stage`'s step-0 best checkpoint in `workdir` and marks the stage done."""
-  from procap_jax import checkpointing
-  from procap_jax import train
   ckpts = checkpointing.StageCheckpoints(os.path.join(workdir, stage))
   meta = {'config': config.to_dict(), 'stage': stage, 'step': 0, 'best_value': None,
           'metrics': {}, 'converted_from': os.path.abspath(source)}
@@ -162,12 +162,6 @@ def convert(config, workdir: str, kind: str, source: str, stage1: str = '',
 
   Every file is read and checked (its kind, every parameter of a finished stage from it,
   the shapes) before anything is written; `allow_init`: see `converted_from_file`."""
-  from procap_jax import checkpointing
-  from procap_jax import config_lib
-  from procap_jax.convert import common
-  from procap_jax.convert import init
-  from procap_jax.convert import torch_files
-  from procap_jax.data import pipeline
   if kind not in KINDS:
     raise errors.UserError(f'unknown conversion {kind!r}; choose one of {", ".join(KINDS)}')
   config_lib.validate(config)

@@ -22,7 +22,12 @@ from typing import Any
 
 import ml_collections
 
+from procap_jax import config_lib
+from procap_jax.convert import clip
 from procap_jax.convert import common
+from procap_jax.convert import procap_stage1
+from procap_jax.convert import procap_stage2
+from procap_jax.convert import taming
 from procap_jax.convert import torch_files
 
 CLIP_MARK = 'visual.transformer.resblocks.0.attn.in_proj_weight'
@@ -51,7 +56,6 @@ def read(path: str, what: str, config: ml_collections.ConfigDict | None = None,
 
 def identify(state: dict) -> str | None:
   """Which of KIND_NAMES a flat state dict is, from its keys; None when none fits."""
-  from procap_jax.convert import taming
   if PROCAP_STAGE2_MARK in state or any(k.startswith('intermediate_generator.') for k in state):
     return 'procap_stage2'
   if PROCAP_STAGE1_MARK in state:
@@ -75,7 +79,6 @@ def describe(state: dict) -> str:
 
 def vqgan_state(state: dict) -> dict:
   """The taming VQModel keys of `state`, wherever in VQGAN_PREFIXES they sit (unprefixed)."""
-  from procap_jax.convert import taming
   for prefix in VQGAN_PREFIXES:
     if prefix + taming.MARK in state:
       return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -97,10 +100,6 @@ def converted(stage: str, config: ml_collections.ConfigDict, path: str,
               state: dict | None = None) -> dict:
   """The converted parameters (nested numpy) that `path` gives `stage`'s model: the whole tree,
   or for CLIP only the encoder's blocks. `state`: the file's flat state dict when already read."""
-  from procap_jax.convert import clip
-  from procap_jax.convert import procap_stage1
-  from procap_jax.convert import procap_stage2
-  from procap_jax.convert import taming
   if stage == 'tokenizer':
     state = vqgan_state(state if state is not None else
                         read(path, 'the taming VQGAN checkpoint', config))
@@ -120,7 +119,6 @@ def converted(stage: str, config: ml_collections.ConfigDict, path: str,
 
 
 def _encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
-  from procap_jax import config_lib
   return config_lib.encoder_kwargs(config)
 
 

@@ -44,7 +44,7 @@ from procap_jax import config_lib
 from procap_jax.convert import common
 from procap_jax.convert import procap_stage1
 from procap_jax.data import vocab as vocab_lib
-from procap_jax.tasks import caption
+from procap_jax.models import captioner as captioner_lib
 
 ENCODER_PREFIX = procap_stage1.STAGE2_PREFIX  # 'intermediate_generator.'
 VQGAN_PREFIX = 'intermediate_generator.vae.'  # the frozen tokenizer, converted from its own file
@@ -81,7 +81,7 @@ class _Recorder(Mapping):
 
 def captioner_params(state: Mapping[str, np.ndarray], config: ml_collections.ConfigDict, *,
                      source: str = 'the ProCap stage-2 checkpoint') -> dict:
-  """Nested numpy params of `tasks.caption.build_model(config)` from a stage-2 state dict.
+  """Nested numpy params of `models.captioner.from_config(config)` from a stage-2 state dict.
 
   Args:
     state: the flat `model` state dict (`torch_files.state_dict`).
@@ -112,7 +112,7 @@ def captioner_params(state: Mapping[str, np.ndarray], config: ml_collections.Con
         f'{f" and {len(unused) - 1} more unused keys" if len(unused) > 1 else ""}, which the '
         f'captioner does not use; the file is for another model size (config.caption.model / '
         'config.pretrain.model) or not a ProCap stage-2 checkpoint')
-  model = caption.build_model(config)
+  model = captioner_lib.from_config(config)  # a ProCap checkpoint holds a ProCap captioner
   gh, gw = kwargs['grid']
   feats = jnp.zeros([1, gh, gw, kwargs['feature_dim']], jnp.float32)
   tokens = jnp.zeros([1, m.max_len], jnp.int32)

@@ -11,6 +11,7 @@ import collections.abc
 import importlib
 import os
 
+import ml_collections
 import tensorflow_datasets as tfds
 
 from procap_jax import errors
@@ -49,6 +50,20 @@ def dataset_dir(name: str, builder_config: str, data_dir: str) -> str:
 def is_prepared(name: str, builder_config: str, data_dir: str) -> bool:
   d = dataset_dir(name, builder_config, data_dir)
   return os.path.exists(os.path.join(d, 'dataset_info.json'))
+
+
+def check_built(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """UserError when the dataset `config` reads is not built (evaluation scores one of its
+  splits, and builds nothing: generating the synthetic `small` benchmark takes 40-60 minutes)."""
+  name, bc = config.data.name, config.data.builder_config
+  ddir = config.data.data_dir or os.path.join(workdir, 'data')
+  if is_prepared(name, bc, ddir):
+    return
+  how = ('with --mode build (the same --config and --workdir)' if name == 'synthetic_change'
+         else f'with --mode build --config.data.manual_dir=<folder> (see tfds_builders/{name}/'
+         'README.md)')
+  raise errors.UserError(f'the {name}/{bc} dataset this run is evaluated on is not built in '
+                         f'{ddir}; build it first {how}, then evaluate')
 
 
 def data_source(name: str, builder_config: str, data_dir: str, split: str):

@@ -13,7 +13,7 @@ Slot 0 holds the resized before image, 8 the after image and 1..7 the interior f
 `data.frame_source`: every image the pipeline can put in `keyframes` (the sampler draws interior
 frames 1..7 only, and no image is augmented before the tokenizer), so the pipeline gathers a
 batch's encodings by `keyframe_index` (`pipeline.source_frames`). The encodings are those of
-`procap_jax.tasks.encodings` (images / 255 in float32; features and codes from the same images).
+`procap_jax.models.encodings` (images / 255 in float32; features and codes from the same images).
 
 The key hashes the tokenizer parameters, `config.tokenizer.model`, the dataset (name, builder
 config, version), the image size, the frame source and the storage dtype: runs sharing a
@@ -46,7 +46,7 @@ from procap_jax import errors
 from procap_jax import progress
 from procap_jax.data import pipeline
 from procap_jax.models import vqgan
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 FORMAT = 1  # bump when the stored layout or the encodings change
 SPLITS = ('train', 'val', 'test')

@@ -30,7 +30,7 @@ The training process never imports TensorFlow.
 import functools
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import cv2
 import grain
@@ -149,6 +149,23 @@ def load_split_info(config, split: str, workdir: str) -> list[dict]:
   change_params (the decoded JSON truth of the synthetic benchmark; {} for real datasets)."""
   src = open_source(config, workdir, split)
   return [_record_info(src[i]) for i in range(len(src))]
+
+
+def change_groups(info: list[dict], ids: Iterable[str]) -> dict[str, list[str]]:
+  """'change' (type != none) and 'no_change' pair ids when the ids have both (any dataset whose
+  records label some pairs `none`: CLEVR-Change, LEVIR-CC's changeflag, the synthetic set), then
+  the ids by change type name (present types only)."""
+  kept = set(ids)
+  types: dict[str, list[str]] = {}
+  for rec in info:
+    if rec['pair_id'] in kept:
+      types.setdefault(CHANGE_TYPES[rec['change_type']], []).append(rec['pair_id'])
+  groups: dict[str, list[str]] = {}
+  change = [i for name, members in types.items() if name != 'none' for i in members]
+  if change and types.get('none'):  # otherwise one of them would just repeat 'all'
+    groups['change'] = change
+    groups['no_change'] = list(types['none'])
+  return groups | types
 
 
 def _record_info(record: dict) -> dict:

@@ -43,12 +43,16 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from procap_jax import errors
+from procap_jax import token_ids
 
-SPECIAL_TOKENS = ('[PAD]', '[CLS]', '[SEP]', '[VID]', '[BOS]', '[EOS]', '[UNK]', '[MASK]')
-PAD, CLS, SEP, VID, BOS, EOS, UNK, MASK = range(len(SPECIAL_TOKENS))
-# the special ids a caption search needs (`procap_jax.decoding.search`)
-DECODING_IDS = dict(bos_id=BOS, eos_id=EOS, unk_id=UNK, pad_id=PAD)
-IGNORE = -1  # label of positions the loss skips
+# The special tokens and their ids live in token_ids.py (below models/, which needs them); the
+# vocabulary's own names for them stay here.
+SPECIAL_TOKENS = token_ids.SPECIAL_TOKENS
+PAD, CLS, SEP, VID, BOS, EOS, UNK, MASK = (token_ids.PAD, token_ids.CLS, token_ids.SEP,
+                                           token_ids.VID, token_ids.BOS, token_ids.EOS,
+                                           token_ids.UNK, token_ids.MASK)
+DECODING_IDS = token_ids.DECODING_IDS
+IGNORE = token_ids.IGNORE
 MAX_LEN = 24  # max_t_len of the original configs
 MIN_WORD_COUNT = 3  # the threshold that reproduces the shipped Spot-the-Diff / IER files
 

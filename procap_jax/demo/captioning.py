@@ -67,7 +67,7 @@ class Result:
 def read_test_split(config, workdir: str, examples: int) -> tuple[list[Example], list[str]]:
   """(`examples` test pairs, the no-change reference sentences) from the first SCAN_RECORDS
   records of the run's test split (UserError when the dataset is not built)."""
-  from procap_jax.data import pipeline  # TFDS: imported only by the demo, not the caption command
+  from procap_jax.data import pipeline  # lazy: TFDS, seconds; only when the test split is read
   src = pipeline.open_source(config, workdir, 'test')
   picked, later, no_change, seen_types = [], [], [], set()
   for i in range(min(len(src), SCAN_RECORDS)):

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from procap_jax import caption as caption_cli
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 from procap_jax.tasks import pretrain
 from procap_jax.tasks import tokenizer
 
@@ -79,7 +80,6 @@ def main():
   args = parser.parse_args()
   if not os.path.exists(os.path.join(args.workdir, 'config.json')):
     raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
-  from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
   try:

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from scipy import stats
 
+from procap_jax import caption as caption_cli
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import pipeline
@@ -135,7 +136,6 @@ def main():
                      'the measured split is not a result)')
   if not os.path.exists(os.path.join(args.workdir, 'config.json')):
     raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
-  from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
   try:

@@ -56,11 +56,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from procap_jax import caption as caption_cli
 from procap_jax import errors
 from procap_jax.data import datasets
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
+from procap_jax.tasks import caption as caption_task
+from procap_jax.tasks import pretrain
+from tfds_builders.synthetic_change import generate
+from tfds_builders.synthetic_change import render
+from tfds_builders.synthetic_change import scene
+from tfds_builders.synthetic_change import synthetic_change_dataset_builder as builder
 
 SPLITS = ('train', 'val', 'test')
 CHANGES = ('color', 'material', 'add', 'drop', 'move')
@@ -126,10 +133,6 @@ def render_split(config, split: str, limit: int = 0, size: int = 0) -> dict[str,
   of read from a built dataset. It makes no interpolated frames and encodes no PNG, so it is
   several times faster than a build (minutes for `small`). `size` > 0 draws the same scenes at
   that image size instead (the renderer's own drawing, not a resize)."""
-  from tfds_builders.synthetic_change import generate
-  from tfds_builders.synthetic_change import render
-  from tfds_builders.synthetic_change import scene
-  from tfds_builders.synthetic_change import synthetic_change_dataset_builder as builder
   if config.data.name != 'synthetic_change':
     raise errors.UserError('--source render needs the synthetic benchmark; use --source dataset')
   spec = {c.name: c for c in builder.CONFIGS}[config.data.builder_config]
@@ -171,7 +174,6 @@ def load_splits(config, workdir: str, limit: int = 0, cache: str = '',
 
 def tokenizer_features(config, workdir: str, images: np.ndarray, batch: int = 64) -> np.ndarray:
   """The run's frozen tokenizer features: uint8 [M, S, S, 3] -> float32 [M, h, w, C]."""
-  from procap_jax.tasks import pretrain
   tokenizer = pretrain.vqgan_tokenizer(config)
   params = pretrain.load_constants(config, workdir)['tokenizer']
   encode = jax.jit(lambda p, x: tokenizer.encode_features(p, encodings.images01(x)))
@@ -184,8 +186,6 @@ def encoder_outputs(config, workdir: str, which: str, batch: int = 64):
   tokens of the run's stage-1 encoder (`which` 'stage1', before any stage-2 training) or the
   trained captioner's decoder memory ('memory'), the T frame slots stacked on channels. The
   parameters are restored and the model compiled once, for every split."""
-  from procap_jax import caption as caption_cli
-  from procap_jax.tasks import caption as caption_task
   model = caption_task.build_model(config)
   if which == 'memory':
     params, tokenizer_params, _ = caption_cli.load_parameters(workdir, 'best', config, cache=False)
@@ -366,7 +366,6 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if not os.path.exists(os.path.join(args.workdir, 'config.json')):
     raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
-  from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   try:
     data = load_splits(config, args.workdir, args.limit, args.cache, args.source,

@@ -49,14 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from procap_jax import caption as caption_cli
 from procap_jax import checkpointing
 from procap_jax import errors
 from procap_jax.data import pipeline
 from procap_jax.diagnostics import probe_change
 from procap_jax.diagnostics import probe_training
 from procap_jax.diagnostics import records
+from procap_jax.models import encodings
 from procap_jax.tasks import corruptions
-from procap_jax.tasks import encodings
 from procap_jax.tasks import pretrain
 
 
@@ -236,7 +237,6 @@ def main():
   config_path = os.path.join(args.workdir, 'config.json')
   if not os.path.exists(config_path):
     raise SystemExit(f'error: {config_path} does not exist; pass the workdir of a run')
-  from procap_jax import caption as caption_cli
   config = caption_cli.load_run_config(args.workdir)
   pipeline.resolve_vocab_sizes(config, args.workdir)
   if args.toy and args.task != 'change':

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from procap_jax import config_lib
 from procap_jax import decoding
 from procap_jax import sharding
-from procap_jax.data import vocab as vocab_lib
+from procap_jax import token_ids
 from procap_jax.models import decoder as decoder_lib
 from procap_jax.models import layers
 from procap_jax.models import procedure_encoder
@@ -176,7 +176,7 @@ def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats
     return model.apply(variables, cache, token, pos, method='decode_step')
 
   return decoding.search(step, cache, before_feats.shape[0], method=method, beam_size=beam_size,
-                         alpha=alpha, max_len=max_len, **vocab_lib.DECODING_IDS)
+                         alpha=alpha, max_len=max_len, **token_ids.DECODING_IDS)
 
 
 def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,

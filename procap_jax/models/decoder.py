@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from procap_jax.models import accumulating
 from procap_jax.models import layers
 
 _NEG = -1e10  # the original subtracts 1e10 on masked (future) positions
@@ -150,7 +151,7 @@ class Attention(nn.Module):
     if q.dtype == jnp.float32:
       scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
     else:
-      scores = layers.accumulating_einsum('bqhd,bkhd->bhqk', q, k)  # [B, N_h, Lq, S] float32
+      scores = accumulating.accumulating_einsum('bqhd,bkhd->bhqk', q, k)  # [B, N_h, Lq, S] float32
     if mask is not None:
       scores = jnp.where(mask, scores, _NEG)
     weights = jax.nn.softmax(scores / math.sqrt(width), axis=-1)  # [B, N_h, Lq, S]
@@ -158,7 +159,7 @@ class Attention(nn.Module):
     if v.dtype == jnp.float32:
       out = jnp.einsum('bhqk,bkhd->bqhd', weights, v)  # [B, Lq, N_h, D_h]
     else:
-      out = layers.accumulating_einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype),
+      out = accumulating.accumulating_einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype),
                                        v).astype(v.dtype)
     b, lq = out.shape[:2]
     return self.out(out.reshape(b, lq, self.hidden))  # [B, Lq, H]
@@ -259,7 +260,7 @@ class TiedOutput(nn.Module):
                        preferred_element_type=jnp.float32)
     else:
       lead = 'abcdefg'[:h.ndim - 1]
-      logits = layers.accumulating_einsum(f'{lead}h,hv->{lead}v', h.astype(self.dtype),
+      logits = accumulating.accumulating_einsum(f'{lead}h,hv->{lead}v', h.astype(self.dtype),
                                           self.kernel.astype(self.dtype))
     return logits + self.bias
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from procap_jax import decoding
-from procap_jax.data import vocab as vocab_lib
+from procap_jax import token_ids
 
 
 class PatchStem(nn.Module):
@@ -217,4 +217,4 @@ def generate(model: Duda, params: Any, before: jax.Array, after: jax.Array, *,
     return model.apply(variables, cache, token, pos, method='decode_step')
 
   return decoding.search(step, cache, before.shape[0], method=method, beam_size=beam_size,
-                         alpha=alpha, max_len=max_len, **vocab_lib.DECODING_IDS)
+                         alpha=alpha, max_len=max_len, **token_ids.DECODING_IDS)

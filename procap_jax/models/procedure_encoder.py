@@ -152,10 +152,10 @@ class ProcedureEncoder(nn.Module):
       LayerNorms and activations: faster at about 2.5 times the scan's activation memory (paper
       stage 1; docs/performance.md). Same values.
     attention_chunk: 0 = full attention; C > 0 = attention queries in chunks of C, each
-      rematerialised (`layers.chunked_attention`): the same values and parameter tree, with
+      rematerialised (`attention.chunked_attention`): the same values and parameter tree, with
       only a [B, H, C, S] block of scores alive at a time (docs/performance.md).
     attention_group: 0 = as `attention_chunk` says; G > 0 = attention for G (batch, head) pairs
-      at a time (`layers.grouped_attention`, taking precedence over `attention_chunk`): the
+      at a time (`attention.grouped_attention`, taking precedence over `attention_chunk`): the
       same values and parameter tree, a [G, S, S] block of scores alive at a time, which stays
       in a CPU's cache (attention 1.4 to 2.5 times as fast as either form above;
       docs/performance.md). On a data-parallel mesh, a multiple of the data axis keeps each

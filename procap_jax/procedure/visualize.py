@@ -1,6 +1,6 @@
 r"""A picture of interpolated pseudo-sequences: before / frames / after, one row per method.
 
-Synthetic pairs (one per change type, from the val split) get an extra first row with the
+Synthetic pairs (one per change type, from the val split of a built dataset) get an extra first row with the
 renderer's true procedure (`oracle`); real CLEVR-Change pairs (before from `images/`, after from
 `sc_images/` and `nsc_images/`) are resized to --size first.
 
@@ -18,6 +18,7 @@ import PIL.Image
 import PIL.ImageDraw
 
 from procap_jax import errors
+from procap_jax.data import datasets
 from procap_jax.data import images
 from procap_jax.procedure import interpolation
 
@@ -31,9 +32,8 @@ def _text(x) -> str:
 
 def synthetic_pairs(data_dir: str, config: str, split: str = 'val', per_type: int = 1):
   """[(title, before, after, oracle frames [T, S, S, 3])], one pair per change type, move first."""
-  from tfds_builders import synthetic_change  # pylint: disable=g-import-not-at-top (slow)
-  builder = synthetic_change.prepare(config, data_dir)
-  source = builder.as_data_source(split)
+  builder = datasets.get_builder('synthetic_change', config, data_dir)
+  source = datasets.data_source('synthetic_change', config, data_dir, split)  # built, or one error
   names = builder.info.features['change_type'].names
   chosen = {}
   for i in range(len(source)):

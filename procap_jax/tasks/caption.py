@@ -22,7 +22,7 @@ features, or on the pixels through its own patch stem (`caption.model.duda.input
 
 import functools
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import flax.linen as nn
 import flax.traverse_util
@@ -46,12 +46,11 @@ from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import duda as duda_lib
 from procap_jax.models import vqgan
 from procap_jax.tasks import caption_optimizer
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 
 # Stage-1 heads that stay frozen in stage 2 (the original's `skip_params`, spec 5.1).
 # The axial frame-position table of the encoder ([T, 1, 1, D]); see `restore_pretrained_encoder`.
 _FRAME_POSITIONS = ('target_pos_emb', 'weights_0')
-_METRIC_ORDER = ('CIDEr', 'Bleu_4', 'METEOR', 'ROUGE_L', 'SPICE', 'Bleu_1', 'Bleu_2', 'Bleu_3')
 
 
 FrozenTokenizer = vqgan.Frozen
@@ -351,37 +350,6 @@ def imagine_frames(params: Any, constants: dict, config: ml_collections.ConfigDi
 # ----------------------------------------------------------------------------- evaluation
 
 
-def change_groups(info: list[dict], ids: Iterable[str]) -> dict[str, list[str]]:
-  """'change' (type != none) and 'no_change' pair ids when the ids have both (any dataset whose
-  records label some pairs `none`: CLEVR-Change, LEVIR-CC's changeflag, the synthetic set), then
-  the ids by change type name (present types only)."""
-  kept = set(ids)
-  types: dict[str, list[str]] = {}
-  for rec in info:
-    if rec['pair_id'] in kept:
-      types.setdefault(pipeline.CHANGE_TYPES[rec['change_type']], []).append(rec['pair_id'])
-  groups: dict[str, list[str]] = {}
-  change = [i for name, members in types.items() if name != 'none' for i in members]
-  if change and types.get('none'):  # otherwise one of them would just repeat 'all'
-    groups['change'] = change
-    groups['no_change'] = list(types['none'])
-  return groups | types
-
-
-def flat_metrics(scores: dict) -> dict[str, float]:
-  """{'all': {...}, group: {...}} -> {'CIDEr': .., 'change/CIDEr': ..} (numbers only)."""
-  out = {}
-  for group, metrics in scores.items():
-    if not isinstance(metrics, dict):
-      continue  # 'notes'
-    names = sorted(metrics, key=lambda n: (_METRIC_ORDER + (n,)).index(n))
-    for name in names:
-      value = metrics[name]
-      if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
-        out[name if group == 'all' else f'{group}/{name}'] = float(value)
-  return out
-
-
 def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTokenizer] =
               vqgan_tokenizer) -> train.Task:
   """The caption Task, with the frozen tokenizer built by `tokenizer_factory(config)`."""
@@ -424,13 +392,13 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], FrozenTok
                   if rec['pair_id'] in predictions}
     full = split == 'test'
     scores = evaluation.score_captions(
-        predictions, references, groups=change_groups(info, predictions),
+        predictions, references, groups=pipeline.change_groups(info, predictions),
         use_meteor=full if use_meteor is None else use_meteor,
         use_spice=full if use_spice is None else use_spice)
     if write_predictions:
       evaluation.write_results(os.path.join(workdir, 'caption', f'predictions_{split}.json'),
                                predictions)
-    metrics = flat_metrics(scores)
+    metrics = evaluation.flat_metrics(scores)
     if semantic_scores.applies(config):  # the synthetic benchmark: its truth is in the records
       metrics.update(semantic_scores.score(predictions, semantic_scores.split_truths(info))[0])
     return metrics

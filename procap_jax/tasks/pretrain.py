@@ -40,8 +40,9 @@ from procap_jax.models import procedure_encoder
 from procap_jax.models import vqgan
 from procap_jax.data import feature_cache
 from procap_jax.tasks import corruptions
-from procap_jax.tasks import encodings
+from procap_jax.models import encodings
 from procap_jax.tasks import masking
+from procap_jax.tasks import pretrain_optimizer
 
 BINARY_INPUTS = ('masked', 'visible')  # what the match and consistency heads judge
 SUM_KEYS = ('msm_ce', 'msm_correct', 'msm_count', 'align_sum', 'included', 'match_correct',
@@ -372,50 +373,9 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   return (metrics['loss'], metrics), grads
 
 
-# ----------------------------------------------------------------------------- optimisation
-
-
-def learning_rate(config: ml_collections.ConfigDict, total_steps: int = 0) -> optax.Schedule:
-  """The original's DeepSpeed WarmupLR as train_stage1.py steps it: update n (0-based) runs at
-  lr(k) with k = max(n - 1, 0), lr(k) = lo + (lr - lo) ln(k + 1) / ln(W) for k < W ('log'), or
-  lo + (lr - lo) k / W ('linear'); then the constant lr. The scheduler's constructor already
-  takes one step and the loop steps after every update, so updates 0 and 1 both run at lo
-  (recorded from DeepSpeed 0.18.5: tests/parity_stage1_test.py).
-
-  With `decay_steps` D > 0 (not the original's; docs/fidelity.md) the last D of `total_steps`
-  updates decay the lr linearly to 0 (warmup-stable-decay): lr (total - n) / D for
-  n >= total - D. On the synthetic default it lowers the val loss and raises the consistency
-  accuracy (docs/fidelity.md).
-  """
-  t = config.pretrain.train
-  lo, hi, steps = float(t.warmup_min), float(t.lr), int(t.warmup_steps)
-  decay = int(t.get('decay_steps', 0))  # absent in the config.json of older runs
-  if t.warmup not in ('log', 'linear'):
-    raise ValueError(f"config.pretrain.train.warmup must be 'log' or 'linear', got {t.warmup!r}")
-  if decay < 0 or (decay and decay > total_steps):
-    raise ValueError(f'config.pretrain.train.decay_steps must be between 0 and the {total_steps} '
-                     f'training steps, got {decay}')
-
-  def schedule(count):
-    n = jnp.asarray(count, jnp.float32)
-    k = jnp.maximum(n - 1.0, 0.0)  # DeepSpeed's iteration counter at update n
-    if steps <= 1:
-      lr = jnp.full_like(n, hi)
-    else:
-      frac = jnp.log(k + 1.0) / np.log(steps) if t.warmup == 'log' else k / steps
-      lr = jnp.where(k < steps, lo + (hi - lo) * frac, hi)
-    if decay:
-      lr = jnp.minimum(lr, hi * jnp.clip((total_steps - n) / decay, 0.0, 1.0))
-    return lr
-
-  return schedule
-
-
-def make_optimizer(config: ml_collections.ConfigDict,
-                   total_steps: int) -> optax.GradientTransformation:
-  """Global-norm clip, then Adam (0.9, 0.999, 1e-8, no weight decay) on `learning_rate`."""
-  return optax.chain(optax.clip_by_global_norm(config.pretrain.train.clip),
-                     optax.adam(learning_rate(config, total_steps), b1=0.9, b2=0.999, eps=1e-8))
+# The optimiser lives in pretrain_optimizer.py; its two names stay reachable from here.
+learning_rate = pretrain_optimizer.learning_rate
+make_optimizer = pretrain_optimizer.make_optimizer
 
 
 # ----------------------------------------------------------------------------- task
@@ -476,7 +436,7 @@ def make_task(tokenizer_factory: Callable[[ml_collections.ConfigDict], Tokenizer
 
   return train.Task(name='pretrain', build_model=build_model, init_params=init_params,
                     loss_fn=loss_fn, value_and_grad=value_and_grad,
-                    make_optimizer=make_optimizer, evaluate=evaluate,
+                    make_optimizer=pretrain_optimizer.make_optimizer, evaluate=evaluate,
                     load_constants=load_constants, feature_cache=tokenizer_factory,
                     restore_init=lambda params, config, workdir: convert_init.restore(
                         'pretrain', params, config))

@@ -58,8 +58,10 @@ from procap_jax import errors
 from procap_jax import sharding
 from procap_jax import train
 from procap_jax.convert import init as convert_init
+from procap_jax.data import pipeline
 from procap_jax.models import conv_grads
 from procap_jax.models import vqgan
+from procap_jax.models import vqgan_layers
 
 PSNR_MSE_FLOOR = 1e-10  # a perfect reconstruction scores 10 * log10(1 / 1e-10) = 100 dB
 NUM_SHOWN = 8  # frames in the reconstruction PNG
@@ -78,12 +80,12 @@ class PatchDiscriminator(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = nn.leaky_relu(vqgan.conv(self.ch, 4, 'conv_0', jnp.float32, 2, 1)(x), 0.2)
-    h = vqgan.conv(2 * self.ch, 4, 'conv_1', jnp.float32, 2, 1)(h)
-    h = nn.leaky_relu(vqgan.group_norm(2 * self.ch, 'norm_1')(h), 0.2)
-    h = vqgan.conv(4 * self.ch, 3, 'conv_2', jnp.float32)(h)
-    h = nn.leaky_relu(vqgan.group_norm(4 * self.ch, 'norm_2')(h), 0.2)
-    return vqgan.conv(1, 3, 'conv_out', jnp.float32)(h)
+    h = nn.leaky_relu(vqgan_layers.conv(self.ch, 4, 'conv_0', jnp.float32, 2, 1)(x), 0.2)
+    h = vqgan_layers.conv(2 * self.ch, 4, 'conv_1', jnp.float32, 2, 1)(h)
+    h = nn.leaky_relu(vqgan_layers.group_norm(2 * self.ch, 'norm_1')(h), 0.2)
+    h = vqgan_layers.conv(4 * self.ch, 3, 'conv_2', jnp.float32)(h)
+    h = nn.leaky_relu(vqgan_layers.group_norm(4 * self.ch, 'norm_2')(h), 0.2)
+    return vqgan_layers.conv(1, 3, 'conv_out', jnp.float32)(h)
 
 
 def _discriminator(config: ml_collections.ConfigDict) -> PatchDiscriminator:
@@ -348,7 +350,6 @@ def evaluate(state: train.TrainState, constants: Any, config: ml_collections.Con
   tc = config.tokenizer.train
   if batches is None:
     # Imported here: the input pipeline pulls in grain/cv2/TFDS, which training steps never need.
-    from procap_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     batches = pipeline.make_eval_iterator(config, split, workdir, tc.batch_size,
                                           num_batches=tc.eval_batches)
   params = {k: v for k, v in nn.meta.unbox(state.params).items() if k != 'disc'}
