@@ -72,6 +72,24 @@ def tiny_config(tiny_data_dir):
   return config
 
 
+@pytest.fixture(scope='session')
+def short_tiny_config(tiny_data_dir):
+  """`make(steps, every)`: the tiny preset on the session's tiny dataset with `steps` steps a
+  stage, a checkpoint every `every` steps and one evaluation at the end (for module-scoped
+  finished runs: the suite runs unoptimised XLA code, so steps cost seconds)."""
+  from configs import synthetic
+
+  def make(steps: int, every: int):
+    config = synthetic.get_config('tiny')
+    config.data.data_dir = tiny_data_dir
+    for stage in ('tokenizer', 'pretrain', 'caption'):
+      t = config[stage].train
+      t.steps, t.checkpoint_every, t.eval_every, t.log_every = steps, every, steps, every
+    return config
+
+  return make
+
+
 # The slowest files first (descending, by their summed test durations): the two xdist workers
 # take whole files in collection order (pyproject.toml's --no-loadscope-reorder keeps this
 # order; without it xdist sorts files by their number of tests), so a long file left for the

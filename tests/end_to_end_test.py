@@ -14,16 +14,10 @@ from procap_jax import train
 
 
 @pytest.fixture(scope='module')
-def finished_run(tiny_data_dir, tmp_path_factory):
-  from configs import synthetic
-  config = synthetic.get_config('tiny')
-  config.data.data_dir = tiny_data_dir
-  # 8 steps a stage instead of the preset's 20 (the suite runs unoptimised XLA code, so steps
-  # cost seconds): checkpoints at 4 and 8, the evaluation at 8. The tests read what the run
-  # wrote and restore, decode and score it; none needs a better-trained model.
-  for stage in ('tokenizer', 'pretrain', 'caption'):
-    t = config[stage].train
-    t.steps, t.checkpoint_every, t.eval_every, t.log_every = 8, 4, 8, 4
+def finished_run(short_tiny_config, tmp_path_factory):
+  # 8 steps a stage instead of the preset's 20: checkpoints at 4 and 8, the evaluation at 8. The
+  # tests read what the run wrote and restore, decode and score it; none needs a better model.
+  config = short_tiny_config(8, 4)
   workdir = str(tmp_path_factory.mktemp('run'))
   results = main.run(config, workdir)
   return config, workdir, results

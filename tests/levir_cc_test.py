@@ -15,7 +15,7 @@ import PIL.Image
 import pytest
 
 import beam_build_test
-import tensorflow_datasets as tfds
+import built_records
 
 from procap_jax import errors
 from procap_jax.data import images
@@ -74,7 +74,7 @@ def levir_manual(root: pathlib.Path, entries: list[dict]) -> pathlib.Path:
       path = man / 'images' / e['split'] / folder / e['filename']
       path.parent.mkdir(parents=True, exist_ok=True)
       PIL.Image.fromarray(pixels).save(path)
-  (man / levir_cc.levir_cc_dataset_builder.ANNOTATIONS).write_text(
+  (man / levir_cc.levir_cc_dataset_builder.ANNOTATIONS).writebuilt_records.text(
       json.dumps({'images': entries}), encoding='utf-8')
   return man
 
@@ -88,32 +88,22 @@ def levir(tmp_path_factory):
   return builder, man, entries
 
 
-def _records(builder, split: str) -> list[dict]:
-  src = tfds.data_source(f'{builder.name}/{builder.builder_config.name}',
-                         data_dir=os.fspath(builder.data_dir_root), split=split)
-  return [src[i] for i in range(len(src))]
-
-
-def _text(x) -> str:
-  return x.decode('utf-8') if isinstance(x, bytes) else x
-
-
 def test_records_follow_the_official_file(levir):
   builder, man, entries = levir
   for split in common.SPLITS:
-    recs = _records(builder, split)
+    recs = built_records.records(builder, split)
     mine = [e for e in entries if e['split'] == split]
-    assert [_text(r['pair_id']) for r in recs] == [e['filename'] for e in mine]
+    assert [built_records.text(r['pair_id']) for r in recs] == [e['filename'] for e in mine]
     assert [r['scene_id'] for r in recs] == [e['imgid'] for e in mine]
     assert [common.CHANGE_TYPES[r['change_type']] for r in recs] == [
         'other' if e['changeflag'] else 'none' for e in mine]
-  train = _records(builder, 'train')
-  assert [_text(c) for c in train[0]['captions']] == [
+  train = built_records.records(builder, 'train')
+  assert [built_records.text(c) for c in train[0]['captions']] == [
       ' '.join(s['tokens']) for s in entries[0]['sentences']]  # tokens joined, no ' .'
-  assert _text(train[2]['captions'][1]) == entries[2]['sentences'][1]['raw'].strip()  # raw
+  assert built_records.text(train[2]['captions'][1]) == entries[2]['sentences'][1]['raw'].strip()  # raw
   assert len(train[3]['captions']) == 4  # the empty sentence dropped
-  rec = _records(builder, 'test')[1]
-  assert _text(rec['pair_id']) == 'test_000002.png'
+  rec = built_records.records(builder, 'test')[1]
+  assert built_records.text(rec['pair_id']) == 'test_000002.png'
   before = images.load_image(man / 'images' / 'test' / 'A' / 'test_000002.png', SIZE)
   after = images.load_image(man / 'images' / 'test' / 'B' / 'test_000002.png', SIZE)
   assert not np.array_equal(before, after)
@@ -132,7 +122,7 @@ def test_side_files(levir):
   assert [im['id'] for im in refs['images']] == [e['filename'] for e in test]
   assert [a['caption'] for a in refs['annotations'] if a['image_id'] == 'test_000001.png'] == (
       NO_CHANGE)
-  train_caps = [_text(c) for r in _records(builder, 'train') for c in r['captions']]
+  train_caps = [built_records.text(c) for r in built_records.records(builder, 'train') for c in r['captions']]
   built = vocab_lib.Vocab.load(os.path.join(builder.data_dir, 'word2idx.json'))
   assert built == vocab_lib.Vocab.build(train_caps, min_word_count=3)
   assert 'house' in built.word2idx and 'middle' not in built.word2idx  # 12 times vs 3
@@ -144,8 +134,8 @@ def test_change_and_no_change_pairs_are_scored_apart(levir):
   from procap_jax import evaluation
   from procap_jax.data import pipeline
   builder, _, entries = levir
-  info = [{'pair_id': _text(r['pair_id']), 'change_type': int(r['change_type']),
-           'captions': [_text(c) for c in r['captions']]} for r in _records(builder, 'test')]
+  info = [{'pair_id': built_records.text(r['pair_id']), 'change_type': int(r['change_type']),
+           'captions': [built_records.text(c) for c in r['captions']]} for r in built_records.records(builder, 'test')]
   references = {r['pair_id']: r['captions'] for r in info}
   predictions = {i: NO_CHANGE[0] for i in references}
   groups = pipeline.change_groups(info, predictions)
@@ -190,7 +180,7 @@ def test_missing_files_are_listed_in_one_error(tmp_path):
   msg = str(info.value)
   assert 'images/test/B/test_000002.png' in msg and 'images/val/A/val_000001.png' in msg
   assert 'tfds_builders/levir_cc/README.md' in msg
-  (man / 'LevirCCcaptions.json').write_text('{"images": [', encoding='utf-8')
+  (man / 'LevirCCcaptions.json').writebuilt_records.text('{"images": [', encoding='utf-8')
   with pytest.raises(errors.UserError, match='LevirCCcaptions.json is not a valid UTF-8 JSON'):
     levir_cc.prepare('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
   (man / 'LevirCCcaptions.json').unlink()
@@ -230,7 +220,7 @@ def test_cpu_preset_runs_every_stage_and_scores_change_and_no_change_apart(levir
     assert {f'{group}{m}' for m in ('Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr')} <= set(metrics)
   with open(tmp_path / 'results.json', encoding='utf-8') as f:
     assert json.load(f)['metrics'] == pytest.approx(metrics)
-  report = (tmp_path / 'report.html').read_text(encoding='utf-8')
+  report = (tmp_path / 'report.html').readbuilt_records.text(encoding='utf-8')
   assert '<td>change</td>' in report and '<td>no_change</td>' in report
 
 

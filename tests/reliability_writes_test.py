@@ -68,7 +68,7 @@ _EXPLAINED = (
     re.compile(r'[Vv]ocab.*\.save\(|^\s*min_word_count=.*\.save\('),  # Vocab.save is atomic
 )
 _DIRECT_WRITES = {  # the only writes that are not atomic, and why that is safe
-    ('procap_jax/train.py', "open(path, 'a'"): 'metrics.jsonl is append-only; a line cut by a '
+    ('procap_jax/train_log.py', "open(path, 'a'"): 'metrics.jsonl is append-only; a line cut by a '
                                                'kill is dropped when the run resumes',
     ('procap_jax/java_scorers.py', "open(path, 'wb')"): "the Java tokenizer's input, in a "
                                                         'private temporary directory',

@@ -28,15 +28,10 @@ MAX_MB = 0.5  # the test server's request limit
 
 
 @pytest.fixture(scope='module')
-def finished_run(tiny_data_dir, tmp_path_factory):
-  from configs import synthetic
-  config = synthetic.get_config('tiny')
-  config.data.data_dir = tiny_data_dir
+def finished_run(short_tiny_config, tmp_path_factory):
   # 2 steps a stage: the tests check what the service returns against the run's own Captioner,
   # not how well it captions.
-  for stage in ('tokenizer', 'pretrain', 'caption'):
-    t = config[stage].train
-    t.steps, t.checkpoint_every, t.eval_every, t.log_every = 2, 2, 2, 1
+  config = short_tiny_config(2, 2)
   workdir = str(tmp_path_factory.mktemp('run'))
   main.run(config, workdir)
   return config, workdir
