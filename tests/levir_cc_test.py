@@ -24,6 +24,8 @@ from tfds_builders import build as build_cli
 from tfds_builders import common
 from tfds_builders import levir_cc
 
+_records, _text = built_records.records, built_records.text
+
 SIZE = 32  # the tiny32 builder config
 # (split, changeflag) of each entry, in file order: 8 train, 4 val, 4 test pairs, half changed.
 LAYOUT = [('train', f) for f in (1, 0) * 4] + [('val', f) for f in (1, 0) * 2] + [
@@ -74,7 +76,7 @@ def levir_manual(root: pathlib.Path, entries: list[dict]) -> pathlib.Path:
       path = man / 'images' / e['split'] / folder / e['filename']
       path.parent.mkdir(parents=True, exist_ok=True)
       PIL.Image.fromarray(pixels).save(path)
-  (man / levir_cc.levir_cc_dataset_builder.ANNOTATIONS).writebuilt_records.text(
+  (man / levir_cc.levir_cc_dataset_builder.ANNOTATIONS).write_text(
       json.dumps({'images': entries}), encoding='utf-8')
   return man
 
@@ -91,19 +93,19 @@ def levir(tmp_path_factory):
 def test_records_follow_the_official_file(levir):
   builder, man, entries = levir
   for split in common.SPLITS:
-    recs = built_records.records(builder, split)
+    recs = _records(builder, split)
     mine = [e for e in entries if e['split'] == split]
-    assert [built_records.text(r['pair_id']) for r in recs] == [e['filename'] for e in mine]
+    assert [_text(r['pair_id']) for r in recs] == [e['filename'] for e in mine]
     assert [r['scene_id'] for r in recs] == [e['imgid'] for e in mine]
     assert [common.CHANGE_TYPES[r['change_type']] for r in recs] == [
         'other' if e['changeflag'] else 'none' for e in mine]
-  train = built_records.records(builder, 'train')
-  assert [built_records.text(c) for c in train[0]['captions']] == [
+  train = _records(builder, 'train')
+  assert [_text(c) for c in train[0]['captions']] == [
       ' '.join(s['tokens']) for s in entries[0]['sentences']]  # tokens joined, no ' .'
-  assert built_records.text(train[2]['captions'][1]) == entries[2]['sentences'][1]['raw'].strip()  # raw
+  assert _text(train[2]['captions'][1]) == entries[2]['sentences'][1]['raw'].strip()  # raw
   assert len(train[3]['captions']) == 4  # the empty sentence dropped
-  rec = built_records.records(builder, 'test')[1]
-  assert built_records.text(rec['pair_id']) == 'test_000002.png'
+  rec = _records(builder, 'test')[1]
+  assert _text(rec['pair_id']) == 'test_000002.png'
   before = images.load_image(man / 'images' / 'test' / 'A' / 'test_000002.png', SIZE)
   after = images.load_image(man / 'images' / 'test' / 'B' / 'test_000002.png', SIZE)
   assert not np.array_equal(before, after)
@@ -122,7 +124,7 @@ def test_side_files(levir):
   assert [im['id'] for im in refs['images']] == [e['filename'] for e in test]
   assert [a['caption'] for a in refs['annotations'] if a['image_id'] == 'test_000001.png'] == (
       NO_CHANGE)
-  train_caps = [built_records.text(c) for r in built_records.records(builder, 'train') for c in r['captions']]
+  train_caps = [_text(c) for r in _records(builder, 'train') for c in r['captions']]
   built = vocab_lib.Vocab.load(os.path.join(builder.data_dir, 'word2idx.json'))
   assert built == vocab_lib.Vocab.build(train_caps, min_word_count=3)
   assert 'house' in built.word2idx and 'middle' not in built.word2idx  # 12 times vs 3
@@ -134,8 +136,8 @@ def test_change_and_no_change_pairs_are_scored_apart(levir):
   from procap_jax import evaluation
   from procap_jax.data import pipeline
   builder, _, entries = levir
-  info = [{'pair_id': built_records.text(r['pair_id']), 'change_type': int(r['change_type']),
-           'captions': [built_records.text(c) for c in r['captions']]} for r in built_records.records(builder, 'test')]
+  info = [{'pair_id': _text(r['pair_id']), 'change_type': int(r['change_type']),
+           'captions': [_text(c) for c in r['captions']]} for r in _records(builder, 'test')]
   references = {r['pair_id']: r['captions'] for r in info}
   predictions = {i: NO_CHANGE[0] for i in references}
   groups = pipeline.change_groups(info, predictions)
@@ -180,7 +182,7 @@ def test_missing_files_are_listed_in_one_error(tmp_path):
   msg = str(info.value)
   assert 'images/test/B/test_000002.png' in msg and 'images/val/A/val_000001.png' in msg
   assert 'tfds_builders/levir_cc/README.md' in msg
-  (man / 'LevirCCcaptions.json').writebuilt_records.text('{"images": [', encoding='utf-8')
+  (man / 'LevirCCcaptions.json').write_text('{"images": [', encoding='utf-8')
   with pytest.raises(errors.UserError, match='LevirCCcaptions.json is not a valid UTF-8 JSON'):
     levir_cc.prepare('tiny32', os.fspath(tmp_path / 'data'), os.fspath(man), num_workers=1)
   (man / 'LevirCCcaptions.json').unlink()
@@ -220,7 +222,7 @@ def test_cpu_preset_runs_every_stage_and_scores_change_and_no_change_apart(levir
     assert {f'{group}{m}' for m in ('Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr')} <= set(metrics)
   with open(tmp_path / 'results.json', encoding='utf-8') as f:
     assert json.load(f)['metrics'] == pytest.approx(metrics)
-  report = (tmp_path / 'report.html').readbuilt_records.text(encoding='utf-8')
+  report = (tmp_path / 'report.html').read_text(encoding='utf-8')
   assert '<td>change</td>' in report and '<td>no_change</td>' in report
 
 

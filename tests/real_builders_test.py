@@ -27,6 +27,8 @@ from tfds_builders import clevr_change
 from tfds_builders import image_editing_request
 from tfds_builders import spot_the_diff
 
+_records, _text = built_records.records, built_records.text
+
 CLEVR_SPLITS = {'train': [0, 1, 3, 4, 5], 'val': [19, 35], 'test': [2, 6, 13]}
 SIZE = 32
 
@@ -38,7 +40,7 @@ def _load(path) -> dict:
 
 def _dump(path: pathlib.Path, obj) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.writebuilt_records.text(json.dumps(obj), encoding='utf-8')
+  path.write_text(json.dumps(obj), encoding='utf-8')
 
 
 def _stand_in(path: pathlib.Path, seed: int) -> None:
@@ -73,15 +75,15 @@ def clevr(tmp_path_factory, fixtures_dir):
   return builder, man, stale
 
 
-def test_clevrbuilt_records.records(clevr):
+def test_clevr_records(clevr):
   builder, man, _ = clevr
   for split, ids in CLEVR_SPLITS.items():
-    recs = built_records.records(builder, split)
-    assert [built_records.text(r['pair_id']) for r in recs] == [f'{i:06d}{s}' for i in ids for s in ('c', 'nc')]
+    recs = _records(builder, split)
+    assert [_text(r['pair_id']) for r in recs] == [f'{i:06d}{s}' for i in ids for s in ('c', 'nc')]
     assert [r['scene_id'] for r in recs] == [i for i in ids for _ in range(2)]
     # The README says every fixture scene is a colour change.
     assert [common.CHANGE_TYPES[r['change_type']] for r in recs] == ['color', 'none'] * len(ids)
-  rec = built_records.records(builder, 'test')[1]  # 000002nc
+  rec = _records(builder, 'test')[1]  # 000002nc
   assert sorted(rec) == sorted(['pair_id', 'scene_id', 'change_type', 'before', 'after', 'frames',
                                 'oracle_frames', 'captions', 'change_params'])
   before = images.load_image(man / 'images' / 'CLEVR_default_000002.png', SIZE)
@@ -91,8 +93,8 @@ def test_clevrbuilt_records.records(clevr):
   assert len(rec['frames']) == 9 and all(f.shape == (SIZE, SIZE, 3) for f in rec['frames'])
   np.testing.assert_array_equal(rec['frames'][0], before)
   np.testing.assert_array_equal(rec['frames'][8], after)
-  assert len(rec['oracle_frames']) == 0 and built_records.text(rec['change_params']) == '{}'
-  assert [built_records.text(c) for c in rec['captions']] == ['no change was made',
+  assert len(rec['oracle_frames']) == 0 and _text(rec['change_params']) == '{}'
+  assert [_text(c) for c in rec['captions']] == ['no change was made',
                                                  'the scene is the same as before']
 
 
@@ -106,7 +108,7 @@ def test_clevr_side_files(clevr):
   assert [a['id'] for a in refs['annotations']] == list(range(8))
   assert _refs_by_id(refs)['000035c'] == ['the small cube changed its color',
                                           'the object number 35 became a different color']
-  train_caps = [c for r in built_records.records(builder, 'train') for c in map(_text, r['captions'])]
+  train_caps = [c for r in _records(builder, 'train') for c in map(_text, r['captions'])]
   built = vocab_lib.Vocab.load(os.path.join(builder.data_dir, 'word2idx.json'))
   assert built == vocab_lib.Vocab.build(train_caps, min_word_count=3)
   assert 'color' in built.word2idx and '3' not in built.word2idx  # 5 occurrences vs 1
@@ -169,14 +171,14 @@ def spot(tmp_path_factory, fixtures_dir):
 
 def test_spot_merges_and_drops(spot):
   builder, subset = spot
-  test = {built_records.text(r['pair_id']): r for r in built_records.records(builder, 'test')}
+  test = {_text(r['pair_id']): r for r in _records(builder, 'test')}
   assert '9420.png' not in test  # its only sentence is empty
   entries_138 = [e['sentences'] for e in subset['test'] if e['img_id'] == '138']
   assert len(entries_138) == 3  # a repeated id ...
-  assert [built_records.text(c) for c in test['138.png']['captions']] == sum(entries_138, [])  # ... merged
+  assert [_text(c) for c in test['138.png']['captions']] == sum(entries_138, [])  # ... merged
   assert test['138.png']['scene_id'] == 138
   assert {common.CHANGE_TYPES[r['change_type']] for r in test.values()} == {'other'}
-  val = {built_records.text(r['pair_id']): r for r in built_records.records(builder, 'val')}
+  val = {_text(r['pair_id']): r for r in _records(builder, 'val')}
   assert '13818.png' not in val and '' not in map(_text, val['13426.png']['captions'])
   assert len(test) == len({e['img_id'] for e in subset['test']}) - 1
 
@@ -253,8 +255,8 @@ def test_ier_records_and_references(ier, fixtures_dir):
   builder, subset = ier
   assert set(builder.info.splits) == {'train', 'val', 'test'}
   for split, official_name in (('val', 'IER_val'), ('test', 'IER_test')):
-    recs = built_records.records(builder, split)
-    assert [built_records.text(r['pair_id']) for r in recs] == [e['uid'] for e in subset[split]]
+    recs = _records(builder, split)
+    assert [_text(r['pair_id']) for r in recs] == [e['uid'] for e in subset[split]]
     assert all(len(r['captions']) == 3 for r in recs)
     ours = _load(os.path.join(builder.data_dir, f'references_{split}.json'))
     official = _refs_by_id(_load(fixtures_dir / 'image_editing_request' / 'eval_refs' /
@@ -262,9 +264,9 @@ def test_ier_records_and_references(ier, fixtures_dir):
                            _ier_normalise)
     mine = _refs_by_id(ours, _ier_normalise)
     assert mine == {k: official[k] for k in mine} and len(mine) == 12
-  train = built_records.records(builder, 'train')
+  train = _records(builder, 'train')
   assert all(len(r['captions']) == 1 for r in train)
-  scene_ids = [r['scene_id'] for s in common.SPLITS for r in built_records.records(builder, s)]
+  scene_ids = [r['scene_id'] for s in common.SPLITS for r in _records(builder, s)]
   assert len(set(scene_ids)) == len(scene_ids) == 36
 
 
@@ -286,8 +288,8 @@ def test_ier_from_the_authors_h5_files(tmp_path, fixtures_dir):
   _dump(man / 'filter_files' / 'edit_similarity_scores.json', {'Reddit_1012': {}})
   builder = image_editing_request.prepare('cpu64_h5', os.fspath(tmp_path / 'data'), os.fspath(man),
                                         num_workers=1)
-  rec = built_records.records(builder, 'test')[3]
-  seq = sequences[built_records.text(rec['pair_id'])]
+  rec = _records(builder, 'test')[3]
+  seq = sequences[_text(rec['pair_id'])]
   want = np.stack([np.asarray(PIL.Image.fromarray(fr.transpose(1, 2, 0)).resize(
       (64, 64), PIL.Image.Resampling.BILINEAR)) for fr in seq])
   np.testing.assert_array_equal(np.stack(rec['frames']), want)
