@@ -37,6 +37,7 @@ from procap_jax import config_lib
 from procap_jax import evaluation
 from procap_jax.data import images
 from procap_jax.data import vocab as vocab_lib
+from procap_jax.tasks import caption as caption_task
 
 SCAN_RECORDS = 1000  # test records read for examples and no-change sentences
 MAX_SENTENCES = 64  # no-change sentences scored at most
@@ -137,16 +138,7 @@ class Demo:
       picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
       return jnp.sum(jnp.where(target != 0, picked, 0.0), axis=1)  # [PAD] = 0 scores nothing
 
-    def imagine(params, tokenizer_params, before, after):  # -> uint8 [1, k, S, S, 3]
-      feats_b, feats_a = captioner.features(tokenizer_params, before, after)
-      codes = model.apply({'params': params}, feats_b, feats_a, method='imagine')  # [1, k, N]
-      b, k, n = codes.shape
-      images = captioner.tokenizer.decode_tokens(tokenizer_params, codes.reshape(b * k, n))
-      images = jnp.clip(jnp.rint(images * 255), 0, 255).astype(jnp.uint8)
-      return images.reshape((b, k) + images.shape[1:])  # [1, k, S, S, 3]
-
     self._log_probs = jax.jit(log_probs) if sequences is not None else None
-    self._imagine = jax.jit(imagine) if self.imagines else None
 
   @property
   def image_size(self) -> int:
@@ -166,9 +158,13 @@ class Demo:
 
   def imagine(self, before: np.ndarray, after: np.ndarray) -> tuple[np.ndarray, ...]:
     """The k imagined frames, uint8 [S, S, 3] each (none without procedure queries)."""
-    if self._imagine is None:
+    if not self.imagines:
       return ()
-    return tuple(np.asarray(self._imagine(*self.captioner.params, before[None], after[None]))[0])
+    params, tokenizer_params = self.captioner.params
+    frames = caption_task.imagine_frames(  # [1, k, S, S, 3] in [0, 1]
+        params, {'tokenizer': tokenizer_params}, self.config, self.captioner.model,
+        before[None], after[None], tokenizer=self.captioner.tokenizer)
+    return tuple(np.clip(np.rint(frames[0] * 255), 0, 255).astype(np.uint8))
 
   def frames_note(self) -> str:
     """What the frames are, or why there are none."""
