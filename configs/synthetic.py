@@ -237,6 +237,7 @@ def _caption(preset: str) -> ml_collections.ConfigDict:
           stem_convs=0,                # pixels: 3 x 3 convolutions on the grid after them
           coords=False,                # append each cell's x, y to the grids (AddSpatialInfo)
           attention_hidden=128,        # the dual attention's 1x1 conv width
+          attention_norm='softmax',    # maps: 'softmax' over the grid | 'sigmoid' per cell
           feature_dim=128,             # the speaker's l_b, l_d, l_a width
           embed=64,                    # word embedding
           hidden=128,                  # both LSTMs
@@ -414,6 +415,9 @@ def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
     # AddSpatialInfo) so the attended features say where.
     d = config.caption.model.duda
     d.stem_patch, d.stem_channels, d.stem_convs, d.coords = 4, (64,), 2, True
+  # The original's maps: a sigmoid per cell, summed (not a softmax): one map can weigh a moved
+  # object's old and new place at once; with a softmax, moves were called additions.
+  config.caption.model.duda.attention_norm = 'sigmoid'
   if config.preset != 'tiny':
     t.steps, t.batch_size = 2000, 32
     t.eval_every = t.checkpoint_every = 500

@@ -29,6 +29,7 @@ _CHOICES = {
     'caption.model.stage2_mask': ('code', 'aligned'),
     'caption.model.kind': ('procap', 'duda'),
     'caption.model.duda.input': ('pixels', 'features'),
+    'caption.model.duda.attention_norm': ('softmax', 'sigmoid'),
     'caption.decoding.method': ('greedy', 'beam'),
     'caption.train.loss_reduction': ('sum', 'mean'),
     'pretrain.csy_normalisation': ('code', 'mean'),

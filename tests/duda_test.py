@@ -134,3 +134,24 @@ def test_coordinates_are_appended_and_reach_the_attended_features():
   params = model.init(jax.random.key(6), before, after, tokens)['params']
   # the projection reads C + 2 channels: the stem's and the two coordinates
   assert params['project']['kernel'].shape == (6 + 2, 5)
+
+
+def test_sigmoid_maps_weigh_each_cell_on_its_own():
+  """Softmax maps share one unit of weight over the grid; the original's sigmoid maps weigh each
+  cell on its own, so one map can cover two places (a moved object's old and new place), and
+  the attended features are weighted sums, not averages."""
+  before, after = _pair(2, (5, 5, 4))
+  attention = duda.DualAttention(hidden=6, dropout=0.0, normalise='sigmoid')
+  params = attention.init(jax.random.key(7), before, after)['params']
+  for bias in (0.0, -3.0):
+    # a zero kernel: every cell's logit is the bias, so every cell weighs sigmoid(bias)
+    logits = {'kernel': jnp.zeros_like(params['att_logits']['kernel']),
+              'bias': jnp.full_like(params['att_logits']['bias'], bias)}
+    features, maps = attention.apply({'params': dict(params, att_logits=logits)}, before, after)
+    weight = 1.0 / (1.0 + np.exp(-bias))
+    # float32 sigmoid and sums of 25 cells against float64 references: a few ulps
+    np.testing.assert_allclose(np.asarray(maps), weight, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(features[:, 0]),
+                               weight * np.asarray(before).sum((1, 2)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(features[:, 2]),
+                               weight * np.asarray(after).sum((1, 2)), rtol=1e-5)

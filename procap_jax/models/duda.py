@@ -72,6 +72,7 @@ class DualAttention(nn.Module):
   """
   hidden: int
   dropout: float
+  normalise: str = 'softmax'  # 'softmax' over the grid | 'sigmoid' per cell (the original)
 
   @nn.compact
   def __call__(self, before: jax.Array, after: jax.Array, train: bool = False):
@@ -87,7 +88,10 @@ class DualAttention(nn.Module):
     x = nn.Dense(self.hidden, name='att_conv_1')(x)
     x = nn.relu(x)
     logits = nn.Dense(1, name='att_logits')(x).reshape(2, b, h * w)  # [2, B, N]
-    maps = jax.nn.softmax(logits, axis=-1)  # [2, B, N]
+    if self.normalise == 'softmax':
+      maps = jax.nn.softmax(logits, axis=-1)  # [2, B, N]
+    else:
+      maps = jax.nn.sigmoid(logits)  # [2, B, N]
     grids = jnp.stack([before, after]).reshape(2, b, h * w, c)  # [2, B, N, C]
     attended = jnp.einsum('kbn,kbnc->kbc', maps, grids)  # [2, B, C]
     l_b, l_a = attended[0], attended[1]
@@ -126,6 +130,7 @@ class Duda(nn.Module):
   stem_convs: int = 0
   coords: bool = False
   attention_hidden: int = 128
+  attention_norm: str = 'softmax'
   feature_dim: int = 256
   embed: int = 128
   hidden: int = 256
@@ -134,7 +139,7 @@ class Duda(nn.Module):
   def setup(self):
     if self.from_pixels:
       self.stem = PatchStem(self.stem_patch, tuple(self.stem_channels), self.stem_convs)
-    self.attention = DualAttention(self.attention_hidden, self.dropout)
+    self.attention = DualAttention(self.attention_hidden, self.dropout, self.attention_norm)
     self.project = nn.Dense(self.feature_dim)
     self.word_embed = nn.Embed(self.vocab_size, self.embed)
     self.speaker = nn.scan(SpeakerStep, variable_broadcast='params',
@@ -200,6 +205,7 @@ def from_config(config: ml_collections.ConfigDict) -> Duda:
               from_pixels=d.input == 'pixels', stem_patch=int(d.stem_patch),
               stem_channels=tuple(d.stem_channels), stem_convs=int(d.stem_convs),
               coords=bool(d.coords), attention_hidden=int(d.attention_hidden),
+              attention_norm=str(d.attention_norm),
               feature_dim=int(d.feature_dim), embed=int(d.embed), hidden=int(d.hidden),
               dropout=float(config.caption.model.dropout))
 
