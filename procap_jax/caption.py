@@ -63,7 +63,6 @@ from procap_jax.data import pairing
 ImageInput = Any  # a path (str / os.PathLike), encoded bytes, a PIL image or a uint8 array
 
 
-ADDED_LATER = config_lib.ADDED_LATER  # these two names live in config_lib; kept here for callers
 load_run_config = config_lib.load_run_config
 
 
