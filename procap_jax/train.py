@@ -300,7 +300,8 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
       tokenizer=task.feature_cache(config)))
   train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed, rows=rows,
                                          cache=cache,
-                                         scene_pairs=bool(tcfg.scene_pairs))
+                                         scene_pairs=task.name == 'caption' and bool(
+                                             config.caption.train.scene_pairs))
   example = jax.tree.map(np.asarray, train_ds[0])
   tx = task.make_optimizer(config, total)
   rng = jax.random.key(seed)
