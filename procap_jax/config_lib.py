@@ -191,14 +191,19 @@ def decoding_settings(config: ml_collections.ConfigDict) -> dict:
               encode_rows=int(d.encode_rows))
 
 
+def frame_slots(config: ml_collections.ConfigDict) -> int:
+  """T, the frames of a clip (the pipeline's batches, the encoder, its masks), derived here only
+  from the one key that says how many frames are imagined: T = data.num_keyframes + 2 (before,
+  k imagined frames, after)."""
+  return int(config.data.num_keyframes) + 2
+
+
 def encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
-  """The ProcedureEncoder's kwargs: `config.pretrain.model` with the frame count T derived from
-  the one key that says how many frames are imagined, T = data.num_keyframes + 2 (before, k
-  imagined frames, after). A run config saved before T was derived may still carry
-  `pretrain.model.num_frames`; the derived value replaces it."""
+  """The ProcedureEncoder's kwargs: `config.pretrain.model` with the frame count T
+  (`frame_slots`)."""
   kwargs = config.pretrain.model.to_dict()
   kwargs['grid'] = tuple(kwargs['grid'])
-  kwargs['num_frames'] = int(config.data.num_keyframes) + 2
+  kwargs['num_frames'] = frame_slots(config)
   return kwargs
 
 

@@ -266,7 +266,7 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
 
   Args:
     task: the stage's Task.
-    config: the resolved config.
+    config: the resolved config (`pipeline.resolve`: the vocabulary sizes filled).
     workdir: the run's workdir; the stage lives in `<workdir>/<task.name>/`.
     mesh: the device mesh (default: from `config.mesh`).
     max_steps: stop after this many steps in this call (tests of kill/resume); the stage is then
@@ -291,7 +291,6 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   seed = int(config.seed)
   select_name, select_mode = SELECTION[task.name]
 
-  pipeline.resolve_vocab_sizes(config, workdir)
   model = task.build_model(config)
   rows = sharding.process_batch_rows(mesh, batch_size) if jax.process_count() > 1 else None
   constants = task.load_constants(config, workdir)
