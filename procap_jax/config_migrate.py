@@ -91,14 +91,16 @@ def migrate(config) -> ml_collections.ConfigDict:
   | pretrain.train.decay_steps           | 0         | the original's constant lr             |
   | pretrain.train.micro_batches, caption.train.micro_batches | 1 | one batch per step        |
   | caption.model.kind                   | 'procap'  | ProCap's captioner (no DUDA then)      |
-  | caption.model.duda (each entry)      | the first DUDA's: 8 px patches, dense stem (128, 128), no convolutions, no coordinates | (read only by DUDA) |
+  | caption.model.duda                   | the first | DUDA (runs before coords, stem_convs: |
+  |   (each entry missing)               | DUDA's    |   no convolutions, no coordinates)     |
   | caption.train.loss_reduction         | 'sum'     | the original's summed KL               |
   | caption.train.t_total_factor         | 1.0       | schedule length = steps                |
   | caption.train.scene_pairs            | False     | batches of independent pairs           |
   | caption.decoding.alpha               | 0.0       | beam scores = sum of log-probs         |
   | caption.decoding.encode_rows         | 0         | the whole batch encoded at once        |
   | mesh.cpu_devices                     | 1         | a CPU host ran as one device           |
-  | weight_files                         | strict False, max_expansion 4.0 | weight files read for their tensors |
+  | weight_files.strict                  | False     | weight files read for their tensors    |
+  | weight_files.max_expansion           | 4.0       |   "                                    |
   | pretrain.model.num_frames (dropped)  |           | T = data.num_keyframes + 2, derived    |
 
   Args:

@@ -37,9 +37,9 @@ MAX_LINES = 450
 LAYERS = (
     ('foundation', ('procap_jax.errors', 'procap_jax.progress', 'procap_jax.cpu_info',
                     'procap_jax.hostmem')),
-    ('core', ('procap_jax.config_lib', 'procap_jax.config_migrate', 'procap_jax.sharding', 'procap_jax.checkpointing',
-              'procap_jax.decoding', 'procap_jax.evaluation', 'procap_jax.java_scorers',
-              'procap_jax.token_ids')),
+    ('core', ('procap_jax.config_lib', 'procap_jax.config_migrate', 'procap_jax.sharding',
+              'procap_jax.checkpointing', 'procap_jax.decoding', 'procap_jax.evaluation',
+              'procap_jax.java_scorers', 'procap_jax.token_ids')),
     ('procedure', ('procap_jax.procedure',)),
     ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
     ('data', ('procap_jax.data',)),
