@@ -40,9 +40,8 @@ STAGES = ('tokenizer', 'pretrain', 'caption')
 # Ids of CLIP's BPE (`procap_jax.data.bpe.VOCAB_SIZE`, not imported here: it loads numpy).
 CLIP_BPE_VOCAB_SIZE = 49408
 # Data entries whose value changes what a trained model reads; `check_workdir` compares them.
-# `encoder_text` was added later: a saved config without it was trained on 'words'.
-_WORKDIR_DATA_KEYS = {'name': None, 'builder_config': None, 'image_size': None,
-                      'num_keyframes': None, 'frame_source': None, 'encoder_text': 'words'}
+_WORKDIR_DATA_KEYS = ('name', 'builder_config', 'image_size', 'num_keyframes', 'frame_source',
+                      'encoder_text')
 
 
 def _get(config, dotted: str):
@@ -229,10 +228,9 @@ SCHEDULE_ONLY_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blo
                                 'pretrain.model.attention_group'})
 
 
-def _compared_model(section: str, model: dict, drop: tuple[str, ...] = ()) -> dict:
-  """`model` without its SCHEDULE_ONLY_KEYS and `drop` (a new dict)."""
-  return {k: v for k, v in model.items()
-          if f'{section}.model.{k}' not in SCHEDULE_ONLY_KEYS and k not in drop}
+def _compared_model(section: str, model: dict) -> dict:
+  """`model` without its SCHEDULE_ONLY_KEYS (a new dict)."""
+  return {k: v for k, v in model.items() if f'{section}.model.{k}' not in SCHEDULE_ONLY_KEYS}
 
 
 def workdir_differences(saved: dict, current: dict) -> list[str]:
@@ -240,7 +238,7 @@ def workdir_differences(saved: dict, current: dict) -> list[str]:
   (`SCHEDULE_ONLY_KEYS` left out).
 
   Args:
-    saved: a run's config.json.
+    saved: a run's config.json (migrated here: `config_migrate.migrate`).
     current: a config as JSON (`json.loads(config.to_json_best_effort())`); vocabulary sizes
       it leaves at 0 (not filled from the dataset yet) are taken as the saved ones.
   """
@@ -248,13 +246,10 @@ def workdir_differences(saved: dict, current: dict) -> list[str]:
   diffs = []
   for section in ('data', 'tokenizer', 'pretrain', 'caption'):
     for key in ('model',) if section != 'data' else _WORKDIR_DATA_KEYS:
-      earlier = _WORKDIR_DATA_KEYS[key] if section == 'data' else None
-      a = (saved.get(section) or {}).get(key, earlier)
+      a = (saved.get(section) or {}).get(key)
       b = current[section][key]
       if key == 'model' and isinstance(a, dict):
-        # a run from before T was derived from data.num_keyframes carries num_frames
-        a = _compared_model(section, a, ('num_frames',) if section == 'pretrain' else ())
-        b = _compared_model(section, b)
+        a, b = _compared_model(section, a), _compared_model(section, b)
         for stage, size in _FILLED_LATER:
           if stage == section and not b.get(size) and size in a:
             b[size] = a[size]
