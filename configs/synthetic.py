@@ -4,7 +4,8 @@ Command (the README's first command):
 
   python -m procap_jax.main --config configs/synthetic.py --workdir workdir/synthetic
 
-Presets (`--config configs/synthetic.py:<preset>`):
+Presets (`--config configs/synthetic.py:<preset>`; each a function below, stating every value in
+which the presets differ; the entries they share, with their meanings, in configs/sections.py):
   tiny     tests only: a few dozen scenes, 32 px, a few steps per stage (seconds).
   quick    end to end in about 5 minutes on a 2-core CPU.
   default  (no preset) the `small` synthetic benchmark, 64 px: tokenizer 800 steps, a 64-wide,
@@ -13,8 +14,9 @@ Presets (`--config configs/synthetic.py:<preset>`):
   large    the default until 2026-11-27: a 128-wide, 4-block stage-1 encoder for 2,000 steps,
            stage 2 for 700 steps; 1 to 2 hours on a 2-core CPU; its stage 1 leaves chance
            (match 63 %), its captions are about the default's (docs/results.md).
-  ablation the default with a smaller report (one gallery pair per change type): the preset of
-           `python -m procap_jax.ablations` (docs/results.md, "The ablation table").
+  ablation the default with the feature cache on (its runs share one) and a smaller report (one
+           gallery pair per change type): the preset of `python -m procap_jax.ablations`
+           (docs/results.md, "The ablation table").
 
 Hardware: written for a 2-core CPU; runs unchanged on accelerators (mesh from `config.mesh`).
 Expected results: see README.md (figures measured with this file).
