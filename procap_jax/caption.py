@@ -63,7 +63,6 @@ from procap_jax.data import pairing
 ImageInput = Any  # a path (str / os.PathLike), encoded bytes, a PIL image or a uint8 array
 
 
-ADDED_LATER = config_lib.ADDED_LATER  # these two names live in config_lib; kept here for callers
 load_run_config = config_lib.load_run_config
 
 
@@ -91,14 +90,15 @@ def vocab_path(config: ml_collections.ConfigDict, workdir: str) -> str:
   return path
 
 
-def check_run(workdir: str, which: str = 'best') -> ml_collections.ConfigDict:
-  """The run's config, once `workdir` is checked to hold what captioning needs (a config.json,
-  caption and tokenizer checkpoints, the vocabulary); UserError naming the first thing missing.
+def check_run(workdir: str, which: str = 'best') -> ml_collections.FrozenConfigDict:
+  """The run's config (resolved when it was saved, migrated by `load_run_config`, frozen), once
+  `workdir` is checked to hold what captioning needs (a config.json, caption and tokenizer
+  checkpoints, the vocabulary); UserError naming the first thing missing.
   """
   config_lib.check_run(workdir, which)
   config = load_run_config(workdir)
   vocab_path(config, workdir)
-  return config
+  return ml_collections.FrozenConfigDict(config)
 
 
 def _build_model(config: ml_collections.ConfigDict):

@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from procap_jax import config_lib
+from procap_jax import config_migrate
 from procap_jax import errors
 
 
@@ -220,8 +221,10 @@ _SHAPE_KEYS = {
 _IGNORED_KEYS = config_lib.SCHEDULE_ONLY_KEYS | {'pretrain.model.num_frames'}
 # Entries added to the schema after checkpoints existed whose value for those checkpoints (the
 # behaviour before the entry) differs from a shipped config's, so a checkpoint without them is
-# compared as if it had this value.
-_EARLIER_VALUES = {'pretrain.model.frame_difference': 'none', 'data.encoder_text': 'words'}
+# compared as if it had this value (config_migrate's; the other entries it fills are compared
+# only where the checkpoint has them).
+_EARLIER_VALUES = {k: config_migrate.ADDED_LATER[k]
+                   for k in ('pretrain.model.frame_difference', 'data.encoder_text')}
 
 
 def _lookup(d: dict, dotted: str):

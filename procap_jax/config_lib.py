@@ -10,6 +10,7 @@ import os
 
 import ml_collections
 
+from procap_jax import config_migrate
 from procap_jax import cpu_info
 from procap_jax import errors
 
@@ -40,9 +41,8 @@ STAGES = ('tokenizer', 'pretrain', 'caption')
 # Ids of CLIP's BPE (`procap_jax.data.bpe.VOCAB_SIZE`, not imported here: it loads numpy).
 CLIP_BPE_VOCAB_SIZE = 49408
 # Data entries whose value changes what a trained model reads; `check_workdir` compares them.
-# `encoder_text` was added later: a saved config without it was trained on 'words'.
-_WORKDIR_DATA_KEYS = {'name': None, 'builder_config': None, 'image_size': None,
-                      'num_keyframes': None, 'frame_source': None, 'encoder_text': 'words'}
+_WORKDIR_DATA_KEYS = ('name', 'builder_config', 'image_size', 'num_keyframes', 'frame_source',
+                      'encoder_text')
 
 
 def _get(config, dotted: str):
@@ -90,20 +90,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise errors.UserError(f'config.{stage}.train.steps and batch_size must be positive')
   for stage in ('pretrain', 'caption'):
     tr = config[stage].train
-    micro = tr.get('micro_batches', 1)
+    micro = tr.micro_batches
     if not isinstance(micro, int) or micro < 1 or tr.batch_size % micro:
       raise errors.UserError(f'config.{stage}.train.micro_batches is {micro!r}; it must be a '
                              f'positive integer dividing the batch size ({tr.batch_size})')
   ct = config.caption.train
-  if ct.get('scene_pairs', False) and ct.batch_size % 2:
+  if ct.scene_pairs and ct.batch_size % 2:
     raise errors.UserError(f'config.caption.train.scene_pairs puts two pairs of a scene in every '
                            f'batch, so the batch size must be even (it is {ct.batch_size})')
-  rows = config.caption.decoding.get('encode_rows', 0)
+  rows = config.caption.decoding.encode_rows
   if not isinstance(rows, int) or rows < 0:
     raise errors.UserError(f'config.caption.decoding.encode_rows is {rows!r}; it must be 0 (the '
                            'whole batch at once) or a positive number of pairs')
   pt = config.pretrain.train
-  if not 0 <= pt.get('decay_steps', 0) <= pt.steps:
+  if not 0 <= pt.decay_steps <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '
                            f'between 0 (no decay) and the {pt.steps} training steps')
 
@@ -121,12 +121,15 @@ def _saved_values(workdir: str | None) -> dict:
       saved = json.load(f)
   except (OSError, ValueError):
     return {}
+  if not isinstance(saved, dict):
+    return {}
+  saved = config_migrate.migrated_json(saved)  # frozen_dtype: float32 before the entry
   out = {}
   for key in PATH_KEYS:
     try:
       value = _get(saved, key)
     except (KeyError, TypeError):
-      value = 'float32' if key == 'tokenizer.frozen_dtype' else None  # saved before the entry
+      value = None
     if value in ('float32', 'bfloat16'):
       out[key] = value
   return out
@@ -171,8 +174,8 @@ def resolve_compute_path(config: ml_collections.ConfigDict, workdir: str | None 
 
 
 def caption_kind(config: ml_collections.ConfigDict) -> str:
-  """'procap' | 'duda': the captioner of stage 2 ('procap' for a run saved before the switch)."""
-  return config.caption.model.get('kind', 'procap')
+  """'procap' | 'duda': the captioner of stage 2."""
+  return config.caption.model.kind
 
 
 def reads_tokenizer(config: ml_collections.ConfigDict) -> bool:
@@ -181,22 +184,26 @@ def reads_tokenizer(config: ml_collections.ConfigDict) -> bool:
 
 
 def decoding_settings(config: ml_collections.ConfigDict) -> dict:
-  """`captioner.generate`'s keyword arguments from `config.caption.decoding` (encode_rows 0
-  for a run saved before that setting existed)."""
+  """`captioner.generate`'s keyword arguments from `config.caption.decoding`."""
   d = config.caption.decoding
   return dict(method=d.method, beam_size=int(d.beam_size), alpha=float(d.alpha),
               max_len=int(config.caption.model.max_len),
-              encode_rows=int(d.get('encode_rows', 0)))
+              encode_rows=int(d.encode_rows))
+
+
+def frame_slots(config: ml_collections.ConfigDict) -> int:
+  """T, the frames of a clip (the pipeline's batches, the encoder, its masks), derived here only
+  from the one key that says how many frames are imagined: T = data.num_keyframes + 2 (before,
+  k imagined frames, after)."""
+  return int(config.data.num_keyframes) + 2
 
 
 def encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
-  """The ProcedureEncoder's kwargs: `config.pretrain.model` with the frame count T derived from
-  the one key that says how many frames are imagined, T = data.num_keyframes + 2 (before, k
-  imagined frames, after). A run config saved before T was derived may still carry
-  `pretrain.model.num_frames`; the derived value replaces it."""
+  """The ProcedureEncoder's kwargs: `config.pretrain.model` with the frame count T
+  (`frame_slots`)."""
   kwargs = config.pretrain.model.to_dict()
   kwargs['grid'] = tuple(kwargs['grid'])
-  kwargs['num_frames'] = int(config.data.num_keyframes) + 2
+  kwargs['num_frames'] = frame_slots(config)
   return kwargs
 
 
@@ -222,10 +229,9 @@ SCHEDULE_ONLY_KEYS = frozenset({'pretrain.model.remat', 'pretrain.model.scan_blo
                                 'pretrain.model.attention_group'})
 
 
-def _compared_model(section: str, model: dict, drop: tuple[str, ...] = ()) -> dict:
-  """`model` without its SCHEDULE_ONLY_KEYS and `drop` (a new dict)."""
-  return {k: v for k, v in model.items()
-          if f'{section}.model.{k}' not in SCHEDULE_ONLY_KEYS and k not in drop}
+def _compared_model(section: str, model: dict) -> dict:
+  """`model` without its SCHEDULE_ONLY_KEYS (a new dict)."""
+  return {k: v for k, v in model.items() if f'{section}.model.{k}' not in SCHEDULE_ONLY_KEYS}
 
 
 def workdir_differences(saved: dict, current: dict) -> list[str]:
@@ -233,20 +239,18 @@ def workdir_differences(saved: dict, current: dict) -> list[str]:
   (`SCHEDULE_ONLY_KEYS` left out).
 
   Args:
-    saved: a run's config.json.
+    saved: a run's config.json (migrated here: `config_migrate.migrate`).
     current: a config as JSON (`json.loads(config.to_json_best_effort())`); vocabulary sizes
       it leaves at 0 (not filled from the dataset yet) are taken as the saved ones.
   """
+  saved = config_migrate.migrated_json(saved)  # keys newer than the run: the run's behaviour
   diffs = []
   for section in ('data', 'tokenizer', 'pretrain', 'caption'):
     for key in ('model',) if section != 'data' else _WORKDIR_DATA_KEYS:
-      earlier = _WORKDIR_DATA_KEYS[key] if section == 'data' else None
-      a = (saved.get(section) or {}).get(key, earlier)
+      a = (saved.get(section) or {}).get(key)
       b = current[section][key]
       if key == 'model' and isinstance(a, dict):
-        # a run from before T was derived from data.num_keyframes carries num_frames
-        a = _compared_model(section, a, ('num_frames',) if section == 'pretrain' else ())
-        b = _compared_model(section, b)
+        a, b = _compared_model(section, a), _compared_model(section, b)
         for stage, size in _FILLED_LATER:
           if stage == section and not b.get(size) and size in a:
             b[size] = a[size]
@@ -341,26 +345,10 @@ def read_saved_config(workdir: str) -> dict:
   return raw
 
 
-# Config keys added after runs were saved, with the value that reproduces what those runs did.
-ADDED_LATER = {('data', 'encoder_text'): 'words', ('data', 'bpe_merges_file'): ''}
-
-
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run);
-  keys newer than the run get the value that reproduces it (ADDED_LATER)."""
-  saved = _tuples(read_saved_config(workdir))
-  for (section, key), value in ADDED_LATER.items():
-    if isinstance(saved.get(section), dict):
-      saved[section].setdefault(key, value)
-  return ml_collections.ConfigDict(saved)
-
-
-def _tuples(x):
-  if isinstance(x, dict):
-    return {k: _tuples(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return tuple(_tuples(v) for v in x)
-  return x
+  """The resolved config a run saved in `workdir/config.json` (UserError when it is no run),
+  migrated to today's schema (`config_migrate.migrate`)."""
+  return config_migrate.migrate(read_saved_config(workdir))
 
 
 def checkpoint_dir(workdir: str, stage: str, which: str = 'best') -> str | None:
@@ -401,7 +389,7 @@ def check_run(workdir: str, which: str = 'best',
   if config is not None:
     _check_same_setup(config, workdir, saved,
                       'pass the --config the run was made with or another --workdir')
-  for stage, pick in run_checkpoints(ml_collections.ConfigDict(saved), which):
+  for stage, pick in run_checkpoints(config_migrate.migrate(saved), which):
     if checkpoint_dir(workdir, stage, pick) is not None:
       continue
     where = os.path.join(workdir, stage)

@@ -7,7 +7,7 @@ Both searches drive a `step_fn(cache, token, pos) -> (logits, cache)` closure: `
 is the token at position `pos` (a scalar int32), `logits` [B', V] score the token at `pos + 1`,
 and `cache` is any pytree whose leaves all have the batch axis first (B' = B for greedy, B * W for
 beam search, beam-major inside each example). `models.decoder.CaptionDecoder.step` (through
-`models.captioner.Captioner.decode_step`) is such a function with a KV cache.
+`models.captioner.ProCapModel.decode_step`) is such a function with a KV cache.
 
 Like the original (spec 5.7), [UNK] can never be emitted (its logit is set to -1e10). Unlike the
 original, which always runs 24 full-buffer passes, the loops stop as soon as every sequence has

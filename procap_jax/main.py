@@ -91,7 +91,7 @@ def run(config, workdir: str, mode: str = 'train', split: str = 'test',
   errors.remove_stale_temp_files(workdir)  # left by a run killed while writing a file
   stages.prepare_data(config, workdir)
   errors.remove_stale_temp_files(pipeline.dataset_dir(config, workdir), max_depth=0)
-  pipeline.resolve_vocab_sizes(config, workdir)
+  config = pipeline.resolve(config, workdir)  # vocabulary sizes, then frozen
   config_lib.check_workdir(config, workdir)
   if mode == 'build':
     stats = stages.dataset_statistics(config, workdir)
@@ -119,7 +119,7 @@ def _evaluate(config, workdir: str, split: str, which: str) -> dict:
   errors.remove_stale_temp_files(workdir)
   # No prepare_data: the dataset is built, and the captioner reads only the before and after
   # images, so a missing confidence-scores file (keyframes) does not change what is scored.
-  pipeline.resolve_vocab_sizes(config, workdir)
+  config = pipeline.resolve(config, workdir)  # vocabulary sizes, then frozen
   return stages.evaluate_caption(config, workdir, split, which)
 
 

@@ -188,19 +188,19 @@ def replicated_work_notes(config, stage: str, data: int) -> list[str]:
   checks = []   # (setting, its value, rows per loop step, what a step holds, the fix)
   if stage in ('pretrain', 'caption'):
     train = config[stage].train
-    micro, batch = int(train.get('micro_batches', 1)), int(train.batch_size)
+    micro, batch = int(train.micro_batches), int(train.batch_size)
     if micro > 1 and not batch % micro:
       checks.append((f'config.{stage}.train.micro_batches', micro, batch // micro,
                      'rows per micro-batch', f'batch_size / micro_batches a multiple of {data}'))
-    group = int(config.pretrain.model.get('attention_group', 0))
+    group = int(config.pretrain.model.attention_group)
     checks.append(('config.pretrain.model.attention_group', group, group,
                    '(row, head) pairs per attention step', f'a multiple of {data} or 0'))
   if stage == 'caption':
-    rows = int(config.caption.decoding.get('encode_rows', 0))
+    rows = int(config.caption.decoding.encode_rows)
     checks.append(('config.caption.decoding.encode_rows', rows, rows,
                    "pairs per evaluation encoder call", f'a multiple of {data} or 0'))
   if stage == 'tokenizer':
-    chunk = int(config.tokenizer.train.get('frames_chunk', 0))
+    chunk = int(config.tokenizer.train.frames_chunk)
     checks.append(('config.tokenizer.train.frames_chunk', chunk, chunk, 'frames per chunk',
                    f'a multiple of {data} or 0'))
   return [f'{key}={value}: {what} {rows}, not a multiple of the mesh\'s {data} data devices, so '

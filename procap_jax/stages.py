@@ -264,9 +264,9 @@ def evaluate_pretrain_test(config, workdir: str) -> dict:
 
 
 def restore_for_eval(config, workdir: str, stage: str, which: str):
-  """(task, model, state, constants) for host-side evaluation of a saved checkpoint."""
+  """(task, model, state, constants) for host-side evaluation of a saved checkpoint; `config` is
+  resolved (`pipeline.resolve`, or a run's saved config)."""
   task = TASKS[stage]
-  pipeline.resolve_vocab_sizes(config, workdir)
   model = task.build_model(config)
   variables = checkpointing.load_stage_variables(workdir, stage, which)
   meta = checkpointing.read_meta(workdir, stage, which)

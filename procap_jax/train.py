@@ -185,11 +185,11 @@ def accumulate_gradients(micro_loss: Callable[[Any, Any], tuple[jax.Array, dict]
 def micro_batched(stage: str, loss_fn: Callable[..., Any],
                   micro_value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
   """A `Task.value_and_grad`: `jax.value_and_grad(loss_fn)` when `config.<stage>.train.
-  micro_batches` is 1 (or absent, as in configs saved before it existed), else
+  micro_batches` is 1, else
   `micro_value_and_grad(params, constants, batch, rng, config, model, micro_batches)` ->
   ((loss, metrics), gradients)."""
   def value_and_grad(params, model_state, constants, batch, rng, config, model):
-    micro_batches = config[stage].train.get('micro_batches', 1)
+    micro_batches = config[stage].train.micro_batches
     rows = jnp.shape(batch['valid'])[0]
     if micro_batches < 1 or rows % micro_batches:
       raise ValueError(f'config.{stage}.train.micro_batches ({micro_batches}) must divide the '
@@ -266,7 +266,7 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
 
   Args:
     task: the stage's Task.
-    config: the resolved config.
+    config: the resolved config (`pipeline.resolve`: the vocabulary sizes filled).
     workdir: the run's workdir; the stage lives in `<workdir>/<task.name>/`.
     mesh: the device mesh (default: from `config.mesh`).
     max_steps: stop after this many steps in this call (tests of kill/resume); the stage is then
@@ -291,7 +291,6 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
   seed = int(config.seed)
   select_name, select_mode = SELECTION[task.name]
 
-  pipeline.resolve_vocab_sizes(config, workdir)
   model = task.build_model(config)
   rows = sharding.process_batch_rows(mesh, batch_size) if jax.process_count() > 1 else None
   constants = task.load_constants(config, workdir)
@@ -300,7 +299,8 @@ def run(task: 'Task', config, workdir: str, *, mesh=None, max_steps: int | None 
       tokenizer=task.feature_cache(config)))
   train_ds = pipeline.make_train_dataset(config, workdir, batch_size, seed, rows=rows,
                                          cache=cache,
-                                         scene_pairs=bool(tcfg.get('scene_pairs', False)))
+                                         scene_pairs=task.name == 'caption' and bool(
+                                             config.caption.train.scene_pairs))
   example = jax.tree.map(np.asarray, train_ds[0])
   tx = task.make_optimizer(config, total)
   rng = jax.random.key(seed)

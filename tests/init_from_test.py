@@ -17,6 +17,7 @@ from procap_jax import train
 from procap_jax.convert import __main__ as convert_cli
 from procap_jax.convert import taming
 from procap_jax.convert import torch_files
+from procap_jax.data import pipeline
 from procap_jax.tasks import pretrain
 from procap_jax.tasks import tokenizer
 
@@ -65,6 +66,7 @@ def test_stage1_from_a_clip_file_trains_and_resumes_like_any_other(tiny_config, 
   clip = _write_clip_shaped(tmp_path / 'clip.safetensors', config.pretrain.model.width, 3)
   config.pretrain.init_from = str(tmp_path / 'clip.safetensors')
   resumed, straight = str(tmp_path / 'resumed'), str(tmp_path / 'straight')
+  pipeline.resolve_vocab_sizes(config, resumed)  # as main does before the stages
   train.run(tokenizer.TASK, config, resumed)
   shutil.copytree(os.path.join(resumed, 'tokenizer'), os.path.join(straight, 'tokenizer'))
   # Killed after 1 step (a checkpoint at the stop), then resumed to 2.

@@ -5,7 +5,8 @@ function-local imports alike. The layers, bottom to top (a module may import its
 the layers below; the first prefix that matches a module, longest first, gives its layer):
 
   foundation     errors, progress, cpu_info, hostmem: no project imports but each other
-  core           config_lib, sharding, checkpointing, decoding, evaluation, java_scorers, token_ids
+  core           config_lib, config_migrate, sharding, checkpointing, decoding, evaluation,
+                 java_scorers, token_ids
                  (the caption vocabulary's special-token ids, which models need)
   procedure      procedure/ (frames between the pair, confidence scores, keyframe sampling)
   models         models/, and the stand-in batches and tokenizer of diagnostics/stand_ins
@@ -27,6 +28,7 @@ A function-local import of a project module is allowed only with a reason on its
 import ast
 import collections
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ('procap_jax', 'tfds_builders', 'configs')
@@ -35,9 +37,9 @@ MAX_LINES = 450
 LAYERS = (
     ('foundation', ('procap_jax.errors', 'procap_jax.progress', 'procap_jax.cpu_info',
                     'procap_jax.hostmem')),
-    ('core', ('procap_jax.config_lib', 'procap_jax.sharding', 'procap_jax.checkpointing',
-              'procap_jax.decoding', 'procap_jax.evaluation', 'procap_jax.java_scorers',
-              'procap_jax.token_ids')),
+    ('core', ('procap_jax.config_lib', 'procap_jax.config_migrate', 'procap_jax.sharding',
+              'procap_jax.checkpointing', 'procap_jax.decoding', 'procap_jax.evaluation',
+              'procap_jax.java_scorers', 'procap_jax.token_ids')),
     ('procedure', ('procap_jax.procedure',)),
     ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
     ('data', ('procap_jax.data',)),
@@ -181,3 +183,61 @@ def test_layer_walk_sees_an_upward_import_and_a_cycle(tmp_path):
   assert layer_of(target) > layer_of('procap_jax.models.y')
   relative = ast.parse('from ..tasks import x').body[0]
   assert _targets('procap_jax.models.y', False, relative, modules) == ['procap_jax.tasks.x']
+
+
+# ---------------------------------------------------------------- the config is the schema
+CONFIG_ROOTS = re.compile(r'^(config|cfg|\w+_config)$')
+
+
+def _config_chain_root(node: ast.AST) -> str | None:
+  """The name at the root of `a.b[c].d` (attributes and subscripts only), else None."""
+  while isinstance(node, (ast.Attribute, ast.Subscript)):
+    node = node.value
+  return node.id if isinstance(node, ast.Name) else None
+
+
+def config_get_calls(source: str) -> list[tuple[int, str]]:
+  """(line, call) of every `.get(` on a config node in `source`: on a name like `config`/`cfg`
+  or an attribute/subscript chain from one, or on a local name bound to such a chain
+  (`t = config.pretrain.train; t.get(...)`)."""
+  tree = ast.parse(source)
+  found = []
+  scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]
+  for scope in scopes:
+    nodes = ([n for stmt in scope.body for n in ast.walk(stmt)] if isinstance(scope, ast.Module)
+             else list(ast.walk(scope)))
+    bound = set()
+    for n in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+      root = _config_chain_root(n.value)
+      if root is not None and (CONFIG_ROOTS.match(root) or root in bound):
+        bound.update(t.id for t in n.targets if isinstance(t, ast.Name))
+    for n in nodes:
+      if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == 'get'):
+        root = _config_chain_root(n.func.value)
+        if root is not None and (CONFIG_ROOTS.match(root) or root in bound):
+          found.append((n.lineno, ast.unparse(n)))
+  return sorted(set(found))
+
+
+def test_library_code_reads_config_keys_without_get_fallbacks():
+  """The config is the schema (conventions 5): library code reads `config.a.b`, never
+  `config.a.get('b', default)`; old runs' configs are filled by `config_lib.migrate`."""
+  calls = [f'{path.relative_to(ROOT)}:{line}: {call}'
+           for package in ('procap_jax', 'tfds_builders')
+           for path in sorted((ROOT / package).rglob('*.py'))
+           for line, call in config_get_calls(path.read_text())]
+  assert not calls, 'config.get( in library code (read the key; migrate old configs):\n' + \
+      '\n'.join(calls)
+
+
+def test_config_get_check_sees_direct_and_bound_calls():
+  """The check can fail: each planted form is found, a dict's .get is not."""
+  source = ('def f(config, stage, results):\n'
+            '  a = config.caption.decoding.get("encode_rows", 0)\n'
+            '  tr = config[stage].train\n'
+            '  t = tr\n'
+            '  b = t.get("micro_batches", 1)\n'
+            '  c = results.get("split")\n'
+            '  d = json.loads(config.to_json()).get("x")\n'
+            '  return model_config.get("k")\n')
+  assert [line for line, _ in config_get_calls(source)] == [2, 5, 8]

@@ -191,3 +191,16 @@ def test_clip_bpe_needs_the_clip_table_and_the_merges_file(tiny_config, tmp_path
   tiny_config.data.bpe_merges_file = str(tmp_path / 'missing.txt')
   with pytest.raises(errors.UserError, match='bpe_merges_file'):
     pipeline.make_transform(tiny_config, str(tmp_path), train=True)
+
+
+def test_resolve_fills_the_vocabulary_sizes_once_and_freezes(tiny_config, tmp_path):
+  """main's config: both vocabulary sizes from the caption vocabulary (also in the caller's
+  config, which config.json records), then frozen, so no library code changes it later."""
+  assert tiny_config.pretrain.model.text_vocab_size == tiny_config.caption.model.vocab_size == 0
+  resolved = pipeline.resolve(tiny_config, str(tmp_path))
+  size = pipeline.load_vocab(tiny_config, str(tmp_path)).size
+  assert resolved.pretrain.model.text_vocab_size == resolved.caption.model.vocab_size == size > 4
+  assert tiny_config.caption.model.vocab_size == size
+  with pytest.raises((AttributeError, TypeError, ValueError)):
+    resolved.caption.model.vocab_size = 1
+  assert pipeline.resolve(resolved.as_configdict(), str(tmp_path)) == resolved  # idempotent

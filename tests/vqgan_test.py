@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import synthetic
+from procap_jax import config_migrate
 from procap_jax import sharding
 from procap_jax.models import banded_conv
 from procap_jax.models import vqgan
@@ -435,8 +436,8 @@ def test_frozen_from_config_reads_the_frozen_dtype():
   assert vqgan.frozen_from_config(config).model.dtype == jnp.float32
   config.tokenizer.frozen_dtype = 'bfloat16'
   assert vqgan.frozen_from_config(config).model.dtype == jnp.bfloat16
-  del config.tokenizer['frozen_dtype']  # a config saved before the entry existed
-  assert vqgan.frozen_from_config(config).model.dtype == jnp.float32
+  del config.tokenizer['frozen_dtype']  # a config saved before the entry existed, migrated
+  assert vqgan.frozen_from_config(config_migrate.migrate(config)).model.dtype == jnp.float32
 
 
 def test_frozen_chunks_give_the_unchunked_values():

@@ -1,4 +1,4 @@
-"""A released ProCap stage-2 checkpoint -> the parameters of our `Captioner`.
+"""A released ProCap stage-2 checkpoint -> the parameters of our `ProCapModel`.
 
 train_stage2.py saves `{'model': MMVID_IDC.state_dict(), 'model_cfg', 'opt', 'epoch',
 'optimizer'}`; `torch_files.state_dict` returns its `model` entry flat. Its parts (spec 5.1-5.3):

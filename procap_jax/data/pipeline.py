@@ -34,6 +34,7 @@ from typing import Any, Iterable, Iterator
 
 import cv2
 import grain
+import ml_collections
 import numpy as np
 
 from procap_jax import config_lib
@@ -83,8 +84,19 @@ def load_vocab(config, workdir: str) -> vocab_lib.Vocab:
   return _load_vocab_file(path)
 
 
+def resolve(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.FrozenConfigDict:
+  """The config a run trains or evaluates with, resolved once by the entry point that builds the
+  run (main, the convert command): the vocabulary sizes filled (`resolve_vocab_sizes`, in place
+  in `config` too, so its config.json records them), then frozen. The library code below reads
+  what it is given and changes nothing; T is `config_lib.frame_slots` and the 'auto' compute
+  path is resolved before (`config_lib.resolve_compute_path`, it needs no dataset)."""
+  resolve_vocab_sizes(config, workdir)
+  return ml_collections.FrozenConfigDict(config)
+
+
 def resolve_vocab_sizes(config, workdir: str) -> None:
-  """Fills the vocabulary sizes left at 0 in the config, in place. Idempotent.
+  """Fills the vocabulary sizes left at 0 in the config, in place. Idempotent; a saved run's
+  config.json holds them filled (read again, nothing is loaded).
 
   The encoder text table gets CLIP BPE's 49408 ids with `data.encoder_text='clip_bpe'` (any
   other non-zero size is a UserError), else the caption vocabulary's size, as the decoder vocab.

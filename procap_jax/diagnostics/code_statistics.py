@@ -27,7 +27,6 @@ import numpy as np
 
 from procap_jax import caption as caption_cli
 from procap_jax import errors
-from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
 from procap_jax.models import encodings
 from procap_jax.tasks import pretrain
@@ -81,7 +80,6 @@ def main():
   if not os.path.exists(os.path.join(args.workdir, 'config.json')):
     raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
   config = caption_cli.load_run_config(args.workdir)
-  pipeline.resolve_vocab_sizes(config, args.workdir)
   try:
     encode = clip_encoder(config, args.workdir)
     codes = clip_codes(encode, config, args.workdir, args.split, args.batches)

@@ -95,7 +95,6 @@ def main(argv: list[str]) -> None:
   parser.add_argument('--probe_train_batches', type=int, default=30)
   args = parser.parse_args(argv)
   config = caption_cli.load_run_config(args.workdir)
-  pipeline.resolve_vocab_sizes(config, args.workdir)
   model = caption_task.build_model(config)
   tokenizer = caption_task.vqgan_tokenizer(config)
   tok_params = checkpointing.load_stage_variables(args.workdir, 'tokenizer')['params']

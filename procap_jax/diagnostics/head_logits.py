@@ -41,7 +41,6 @@ from scipy import stats
 from procap_jax import caption as caption_cli
 from procap_jax import checkpointing
 from procap_jax import errors
-from procap_jax.data import pipeline
 from procap_jax.diagnostics import records
 from procap_jax.tasks import corruptions
 from procap_jax.tasks import pretrain
@@ -137,7 +136,6 @@ def main():
   if not os.path.exists(os.path.join(args.workdir, 'config.json')):
     raise SystemExit(f'error: {args.workdir} holds no config.json; pass the workdir of a run')
   config = caption_cli.load_run_config(args.workdir)
-  pipeline.resolve_vocab_sizes(config, args.workdir)
   try:
     params = checkpointing.load_stage_variables(args.workdir, 'pretrain', args.which)['params']
     chooser = split_logits(config, args.workdir, params, args.threshold_split, args.batches)

@@ -238,7 +238,6 @@ def main():
   if not os.path.exists(config_path):
     raise SystemExit(f'error: {config_path} does not exist; pass the workdir of a run')
   config = caption_cli.load_run_config(args.workdir)
-  pipeline.resolve_vocab_sizes(config, args.workdir)
   if args.toy and args.task != 'change':
     raise SystemExit('error: --toy applies to --task change only')
   if args.frame_difference != 'run':

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from procap_jax import config_lib
 from procap_jax.models import vqgan
 
 
@@ -22,7 +23,7 @@ def fake_batch(config, batch_size: int, seed: int = 0, feature_cache: bool = Fal
   2i and 2i + 1 have the same before image (keyframe 0), as whole CLEVR scenes do.
   """
   rng = np.random.default_rng(seed)
-  s, t, l = config.data.image_size, config.data.num_keyframes + 2, config.data.max_caption_len
+  s, t, l = config.data.image_size, config_lib.frame_slots(config), config.data.max_caption_len
   frames = rng.integers(0, 256, (batch_size, t, s, s, 3), dtype=np.uint8)
   if scenes:
     frames[1::2, 0] = frames[0::2, 0][:batch_size // 2]

@@ -52,8 +52,9 @@ class MemoryMLP(nn.Module):
     return decoder_lib.DecoderLayerNorm('standard', name='norm')(x)
 
 
-class Captioner(nn.Module):
-  """Stage-2 captioner.
+class ProCapModel(nn.Module):
+  """Stage-2 captioner: ProCap's flax module (the inference API around a trained run is
+  `procap_jax.caption.Captioner`).
 
   Attributes:
     encoder: the stage-1 `ProcedureEncoder` (same parameter tree as stage 1, so the stage-1
@@ -139,8 +140,8 @@ class Captioner(nn.Module):
     return jnp.argmax(logits[:, 1:-1], axis=-1).astype(jnp.int32)  # [B, k, N]
 
 
-def from_config(config: Any) -> Captioner:
-  """The Captioner of `config.caption.model` around the stage-1 encoder
+def from_config(config: Any) -> ProCapModel:
+  """The ProCapModel of `config.caption.model` around the stage-1 encoder
   (`config_lib.encoder_kwargs`: k = data.num_keyframes query frames), computing in
   `config.compute_dtype`. Without procedure queries the encoder has T = 2 frame slots. Used by
   training (`tasks.caption.build_model`) and inference (`procap_jax.caption`) alike."""
@@ -155,11 +156,11 @@ def from_config(config: Any) -> Captioner:
       vocab_size=m.vocab_size, hidden=m.hidden, heads=m.heads, ffn=m.ffn, layers=m.layers,
       dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
       qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
-  return Captioner(encoder=encoder, decoder=decoder, num_queries=k, use_queries=m.use_queries,
+  return ProCapModel(encoder=encoder, decoder=decoder, num_queries=k, use_queries=m.use_queries,
                    text_slot=m.text_slot, stage2_mask=m.stage2_mask, dtype=dtype)
 
 
-def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,
+def generate(model: ProCapModel, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,
              method: str = 'greedy', beam_size: int = 3, alpha: float = 0.0,
              max_len: int = 24, encode_rows: int = 0) -> jax.Array:
   """Caption ids [B, max_len] ([BOS] first, [PAD] after [EOS]) for features [B, h, w, C].
@@ -179,9 +180,9 @@ def generate(model: Captioner, params: Any, before_feats: jax.Array, after_feats
                          alpha=alpha, max_len=max_len, **token_ids.DECODING_IDS)
 
 
-def encode_memory(model: Captioner, params: Any, before_feats: jax.Array,
+def encode_memory(model: ProCapModel, params: Any, before_feats: jax.Array,
                   after_feats: jax.Array, rows: int = 0) -> jax.Array:
-  """The decoder memory [B, M, H] of `Captioner.encode`, `rows` pairs at a time (0: all).
+  """The decoder memory [B, M, H] of `ProCapModel.encode`, `rows` pairs at a time (0: all).
 
   The same values (each pair's encoding depends on that pair alone); only the schedule
   changes: the encoder's activations for a few pairs stay in cache, which XLA:CPU runs faster

@@ -285,5 +285,5 @@ def frozen(model_config: Any, dtype: str = 'float32') -> Frozen:
 
 def frozen_from_config(config: Any) -> Frozen:
   """The frozen tokenizer stages 1 and 2 and the caption command run: `config.tokenizer.model` in
-  `config.tokenizer.frozen_dtype` (float32 for configs saved before that entry)."""
-  return frozen(config.tokenizer.model, config.tokenizer.get('frozen_dtype', 'float32'))
+  `config.tokenizer.frozen_dtype`."""
+  return frozen(config.tokenizer.model, config.tokenizer.frozen_dtype)

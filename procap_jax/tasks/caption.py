@@ -66,7 +66,7 @@ def vqgan_tokenizer(config: ml_collections.ConfigDict) -> vqgan.Frozen:
 
 
 def build_model(config: ml_collections.ConfigDict) -> nn.Module:
-  """The Captioner of `config.caption.model` around `ProcedureEncoder(**config.pretrain.model)`,
+  """The ProCapModel of `config.caption.model` around `ProcedureEncoder(**config.pretrain.model)`,
   or DUDA (`caption.model.kind='duda'`).
 
   Without procedure queries the encoder has T = 2 frame slots (before, after).
@@ -93,12 +93,12 @@ def pair_inputs(model: nn.Module, tokenizer: FrozenTokenizer, tokenizer_params: 
   return encodings.images01(before), encodings.images01(after)
 
 
-def init_params(model: captioner_lib.Captioner, config: ml_collections.ConfigDict,
+def init_params(model: captioner_lib.ProCapModel, config: ml_collections.ConfigDict,
                 rng: jax.Array, batch: dict, workdir: str | None = None) -> Any:
   """Boxed parameters; the encoder from the stage-1 checkpoint when `init_from_pretrain`.
 
   Args:
-    model: the Captioner.
+    model: the ProCapModel (or DUDA).
     config: the resolved config.
     rng: init rng.
     batch: a batch of the contract (only `caption_in`'s length is used).

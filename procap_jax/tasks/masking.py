@@ -17,6 +17,8 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from procap_jax import config_lib
+
 STRATEGIES = ('random', 'all', 'in_box', 'out_box', 'stage2')
 
 
@@ -114,7 +116,7 @@ def sample_masks_from_config(rng: jax.Array, batch_size: int, config) -> Masks:
   """`sample_masks` with `config.pretrain.masking` and the encoder's T and grid."""
   m = config.pretrain.masking
   model = config.pretrain.model
-  return sample_masks(rng, batch_size, config.data.num_keyframes + 2, tuple(model.grid),
+  return sample_masks(rng, batch_size, config_lib.frame_slots(config), tuple(model.grid),
                       strategy_probs=tuple(m.strategy_probs),
                       keep_prob_range=tuple(m.keep_prob_range), box_scale=tuple(m.box_scale),
                       box_ratio=tuple(m.box_ratio))

@@ -22,7 +22,7 @@ def learning_rate(config: ml_collections.ConfigDict, total_steps: int = 0) -> op
   """
   t = config.pretrain.train
   lo, hi, steps = float(t.warmup_min), float(t.lr), int(t.warmup_steps)
-  decay = int(t.get('decay_steps', 0))  # absent in the config.json of older runs
+  decay = int(t.decay_steps)
   if t.warmup not in ('log', 'linear'):
     raise ValueError(f"config.pretrain.train.warmup must be 'log' or 'linear', got {t.warmup!r}")
   if decay < 0 or (decay and decay > total_steps):
