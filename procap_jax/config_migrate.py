@@ -42,7 +42,8 @@ ADDED_LATER = {
     'caption.model.kind': 'procap',
     'caption.model.duda': {'input': 'pixels', 'stem_patch': 8, 'stem_channels': (128, 128),
                            'stem_convs': 0, 'coords': False, 'attention_hidden': 128,
-                           'feature_dim': 128, 'embed': 64, 'hidden': 128},
+                           'feature_dim': 128, 'embed': 64, 'hidden': 128,
+                           'attention_norm': 'softmax'},
     'caption.train.loss_reduction': 'sum',
     'caption.train.t_total_factor': 1.0,
     'caption.train.micro_batches': 1,
@@ -92,7 +93,8 @@ def migrate(config) -> ml_collections.ConfigDict:
   | pretrain.train.micro_batches, caption.train.micro_batches | 1 | one batch per step        |
   | caption.model.kind                   | 'procap'  | ProCap's captioner (no DUDA then)      |
   | caption.model.duda                   | the first | DUDA (runs before coords, stem_convs: |
-  |   (each entry missing)               | DUDA's    |   no convolutions, no coordinates)     |
+  |   (each entry missing)               | DUDA's    |   no convolutions, no coordinates,     |
+  |                                      |           |   softmax attention maps)              |
   | caption.train.loss_reduction         | 'sum'     | the original's summed KL               |
   | caption.train.t_total_factor         | 1.0       | schedule length = steps                |
   | caption.train.scene_pairs            | False     | batches of independent pairs           |
