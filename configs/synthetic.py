@@ -296,8 +296,9 @@ def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
   config.caption.model.duda.input = inputs
   config.caption.init_from_pretrain = False
   config.data.sampler = 'uniform'      # DUDA reads before and after only: no scores file
-  if inputs == 'pixels':
-    config.data.feature_cache = False  # nothing to cache without a tokenizer
+  # pixels: nothing to cache without a tokenizer; features: the frozen tokenizer's features of
+  # before and after, computed once
+  config.data.feature_cache = inputs == 'features'
   t = config.caption.train
   t.lr = 1e-3                          # Adam (optax.adamw), warmup then linear decay to 0
   t.weight_decay = 0.0
@@ -308,15 +309,16 @@ def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
   # same before image), so the captions of two pairs that differ only in the after image teach
   # the model to read the change; without it the speaker learns one sentence for every pair.
   t.scene_pairs = True
+  d = config.caption.model.duda
   if inputs == 'pixels':
     # A stem with spatial context that a small viewpoint shift leaves alone: 4 px patches (a
-    # 16 x 16 grid), two 3 x 3 convolutions, and each cell's coordinates (the original's
-    # AddSpatialInfo) so the attended features say where.
-    d = config.caption.model.duda
-    d.stem_patch, d.stem_channels, d.stem_convs, d.coords = 4, (64,), 2, True
+    # 16 x 16 grid) and two 3 x 3 convolutions.
+    d.stem_patch, d.stem_channels, d.stem_convs = 4, (64,), 2
+  # Each cell's coordinates (the original's AddSpatialInfo), so the attended features say where.
+  d.coords = True
   # The original's maps: a sigmoid per cell, summed (not a softmax): one map can weigh a moved
   # object's old and new place at once; with a softmax, moves were called additions.
-  config.caption.model.duda.attention_norm = 'sigmoid'
+  d.attention_norm = 'sigmoid'
   if config.preset != 'tiny':
     t.steps, t.batch_size = 2000, 32
     t.eval_every = t.checkpoint_every = 500
