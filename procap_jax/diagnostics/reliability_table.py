@@ -3,17 +3,18 @@
   python -m procap_jax.diagnostics.reliability_table --out docs/reliability.md
   python -m procap_jax.diagnostics.reliability_table --out R.md -- -n 0   # pytest flags
 
-Run from a source checkout: the tests (tests/reliability_*_test.py) each inject faults at one
-entry point and assert what happens; their `fault` fixture (tests/conftest.py) puts a row per
-fault (entry point, fault, result observed) on the test's report. This command runs them with
-pytest in this process (the repository's pytest settings: two workers), with
-tests/images_test.py, whose decoding tests the image row names, keeps the rows of the tests
-that passed and writes the table, sorted by entry point, atomically. Tests that failed are named
-above the table (their rows are missing) and the exit status is pytest's. About 8 minutes on
-two CPU cores. Prints one JSON line: {rows, failed, seconds, out}.
+Run from a source checkout: the tests (tests/reliability_*_test.py, and the tests of other files
+that take the `fault` fixture: the demo service's, the images' decoding, ...) each inject faults
+at one entry point and assert what happens; the `fault` fixture (tests/conftest.py) puts a row
+per fault (entry point, fault, result observed) on the test's report. This command runs those
+files with pytest in this process (the repository's pytest settings: two workers), keeps the
+rows of the tests that passed and writes the table, sorted by entry point, atomically. Tests
+that failed are named above the table (their rows are missing) and the exit status is pytest's.
+About 10 minutes on two CPU cores. Prints one JSON line: {rows, failed, seconds, out}.
 """
 
 import argparse
+import ast
 import glob
 import os
 import sys
@@ -50,8 +51,9 @@ def table(rows: Sequence[dict], failed: Sequence[str]) -> str:
   lines = [
       '# Reliability: faults tried and what happened',
       '',
-      'Written by a command that runs the reliability tests (tests/reliability_*_test.py, which',
-      'assert what each fault does); do not edit by hand. Regenerate with (about 8 minutes):',
+      'Written by a command that runs the tests that inject faults (tests/reliability_*_test.py',
+      'and the other tests that take the `fault` fixture, which assert what each fault does); do',
+      'not edit by hand. Regenerate with (about 10 minutes):',
       '',
       '```bash',
       COMMAND,
@@ -73,6 +75,19 @@ def table(rows: Sequence[dict], failed: Sequence[str]) -> str:
 
 
 @errors.exit_on_user_error
+def fault_test_files(tests_dir: str) -> list[str]:
+  """tests/reliability_*_test.py, and every other test file with a test that takes the `fault`
+  fixture (the demo service's, the images', ...), sorted."""
+  files = set(glob.glob(os.path.join(tests_dir, 'reliability_*_test.py')))
+  for path in glob.glob(os.path.join(tests_dir, '*_test.py')):
+    with open(path, encoding='utf-8') as f:
+      tree = ast.parse(f.read(), path)
+    if any(isinstance(node, ast.FunctionDef) and node.name.startswith('test')
+           and any(a.arg == 'fault' for a in node.args.args) for node in ast.walk(tree)):
+      files.add(path)
+  return sorted(files)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the tests, writes the table; returns pytest's exit status."""
   parser = argparse.ArgumentParser(prog='python -m procap_jax.diagnostics.reliability_table',
@@ -82,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('pytest_args', nargs='*', help='more pytest flags, after --')
   args = parser.parse_args(argv)
   out = os.path.abspath(args.out)
-  files = sorted(glob.glob(os.path.join(REPO, 'tests', 'reliability_*_test.py')))
+  files = fault_test_files(os.path.join(REPO, 'tests'))
   if not files or not os.path.exists(os.path.join(REPO, 'tests', 'conftest.py')):
     raise errors.UserError(f'{REPO} has no tests/reliability_*_test.py; run this command from a '
                            'source checkout of procap-jax')
@@ -90,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   collector = RowCollector()
   start = time.time()
   os.chdir(REPO)  # as the tests are run in CI: relative config paths, the repository's settings
-  status = pytest.main(['-q', *files, os.path.join(REPO, 'tests', 'images_test.py'),
-                        *args.pytest_args], plugins=[collector])
+  status = pytest.main(['-q', *files, *args.pytest_args], plugins=[collector])
   if not collector.rows:
     raise errors.UserError(f'no test recorded a fault (pytest exit status {int(status)}); '
                            f'{out} is left as it was')
