@@ -255,7 +255,9 @@ def test_a_duda_run_is_served_without_frames(tiny_data_dir, tmp_path):
   example = demo.examples[0]
   b, a = demo.image(_png(example.before), 'b', print), demo.image(_png(example.after), 'a', print)
   result = demo.run(b, a)
-  assert result.caption == demo.captioner(b, a) and result.caption
+  # a two-step model's greedy caption may be empty (an [EOS] first); the no-change probability
+  # below, a number of this model's, is what shows the demo ran the run's own captioner
+  assert result.caption == demo.captioner(b, a)
   assert result.frames == ()
   assert result.frames_note.startswith("this run's captioner, DUDA, has no procedure queries")
   assert result.no_change_probability == pytest.approx(
