@@ -184,10 +184,9 @@ def accumulate_gradients(micro_loss: Callable[[Any, Any], tuple[jax.Array, dict]
 
 def micro_batched(stage: str, loss_fn: Callable[..., Any],
                   micro_value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
-  """A `Task.value_and_grad`: `jax.value_and_grad(loss_fn)` when `config.<stage>.train.
-  micro_batches` is 1, else
-  `micro_value_and_grad(params, constants, batch, rng, config, model, micro_batches)` ->
-  ((loss, metrics), gradients)."""
+  """A `Task.value_and_grad`: `jax.value_and_grad(loss_fn)` when
+  `config.<stage>.train.micro_batches` is 1, else `micro_value_and_grad(params, constants,
+  batch, rng, config, model, micro_batches)` -> ((loss, metrics), gradients)."""
   def value_and_grad(params, model_state, constants, batch, rng, config, model):
     micro_batches = config[stage].train.micro_batches
     rows = jnp.shape(batch['valid'])[0]
