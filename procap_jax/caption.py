@@ -122,12 +122,12 @@ def _use_compilation_cache(directory: str) -> None:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
-def _checkpoints_key(workdir: str, which: str) -> str:
+def _checkpoints_key(workdir: str, which: str, config: ml_collections.ConfigDict) -> str:
   """What the cached parameters were made from: the caption and tokenizer checkpoints restored
   (folder, step, and the step folder's inode and time: a retrained step is a new folder) and
   the run's config.json."""
   parts = []
-  for stage, pick in config_lib.run_checkpoints(load_run_config(workdir), which):
+  for stage, pick in config_lib.run_checkpoints(config, which):
     folder = config_lib.checkpoint_dir(workdir, stage, pick)
     step = max((n for n in os.listdir(folder) if n.isdigit()), key=int)
     st = os.stat(os.path.join(folder, step))
@@ -168,8 +168,9 @@ def load_parameters(workdir: str, which: str = 'best', config=None,
   the run's) and, with `cache` and a writable workdir, saved there for the next start.
   """
   config_lib.check_run(workdir, which)
+  config = config or load_run_config(workdir)
   path = os.path.join(workdir, CACHE_DIR, 'params.npz')
-  key = _checkpoints_key(workdir, which)
+  key = _checkpoints_key(workdir, which, config)
   if cache and os.path.isfile(path):
     try:
       with np.load(path, allow_pickle=False) as f:
@@ -181,11 +182,10 @@ def load_parameters(workdir: str, which: str = 'best', config=None,
   from procap_jax import checkpointing  # lazy: start-up (captioner ~4 s)
   meta = checkpointing.read_meta(workdir, 'caption', which)
   if meta:
-    checkpointing.check_config_compatible(meta.get('config'), config or load_run_config(workdir),
-                                          'caption')
+    checkpointing.check_config_compatible(meta.get('config'), config, 'caption')
   restored = checkpointing.load_stage_variables(workdir, 'caption', which)
   tokenizer = (checkpointing.load_stage_variables(workdir, 'tokenizer')['params']
-               if config_lib.reads_tokenizer(config or load_run_config(workdir)) else {})
+               if config_lib.reads_tokenizer(config) else {})
   params, step = restored['params'], int(restored['step'])
   flat = _flat('tokenizer', tokenizer, _flat('caption', params, {}))
   if cache and all(a.dtype.kind in 'biuf' for a in flat.values()):
