@@ -66,6 +66,9 @@ def tokenizer(*, ch_mult: tuple[int, ...], resolution: int, z_channels: int, n_e
       beta=0.25,
       feature_input_scale='unit',      # 'unit': features see [0,1] images (original quirk)
       token_input_scale='signed',      # 'signed': codes see [-1,1] images (original)
+      # P > 0: features also carry each token cell's pixels pooled to P x P (Z + 3 P^2 channels;
+      # not the original's, docs/fidelity.md); 0: the tokenizer's features only (original)
+      feature_pixels=0,
   ))
   # A taming VQModel checkpoint (.ckpt) to start from instead of a random init (README "Start
   # from the original's weights"); with train.steps=0 the stage keeps it as it is.

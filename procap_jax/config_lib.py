@@ -7,6 +7,7 @@ The config files in `configs/` are the schema; `ml_collections` already rejects 
 
 import json
 import os
+from typing import Any
 
 import ml_collections
 
@@ -52,6 +53,12 @@ def _get(config, dotted: str):
   return node
 
 
+def feature_channels(tokenizer_model: Any) -> int:
+  """C, the channels of the frozen tokenizer's features: its z_channels, plus 3 P^2 pooled pixels
+  per token cell with `feature_pixels` P."""
+  return tokenizer_model.z_channels + 3 * tokenizer_model.feature_pixels ** 2
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises UserError with one sentence when the config is inconsistent."""
   for key, choices in _CHOICES.items():
@@ -74,7 +81,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   grid = (d.image_size // down, d.image_size // down)
   checks = [
       ('pretrain.model.grid', tuple(p.grid), grid),
-      ('pretrain.model.feature_dim', p.feature_dim, t.z_channels),
+      ('pretrain.model.feature_dim', p.feature_dim, feature_channels(t)),
       ('pretrain.model.codebook_size', p.codebook_size, t.n_embed),
   ]
   for key, got, want in checks:

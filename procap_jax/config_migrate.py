@@ -19,6 +19,7 @@ ADDED_LATER = {
     'tokenizer.init_from': '',
     'tokenizer.init_drop_unused_attention': False,
     'tokenizer.frozen_dtype': 'float32',
+    'tokenizer.model.feature_pixels': 0,
     'tokenizer.train.clip': 1.0,
     'tokenizer.train.codebook_decay': 0.99,
     'tokenizer.train.dead_code_threshold': 0.03,

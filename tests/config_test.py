@@ -59,6 +59,8 @@ def test_unknown_variant_is_rejected():
     ('caption.train.micro_batches', 5, 'micro_batches'),
     ('caption.decoding.encode_rows', -1, 'encode_rows'),
     ('data.encoder_text', 'bpe', 'encoder_text'),
+    # pooled pixels widen the features: 32 + 3 x 2 x 2 channels, not the preset's 32
+    ('tokenizer.model.feature_pixels', 2, 'feature_dim is 32 but the other settings need 44'),
 ])
 def test_bad_values(key, value, match):
   config = synthetic.get_config('tiny')
@@ -161,6 +163,7 @@ def test_paper_configs_keep_the_original_switches_and_cpu_smoke_configs_do_not()
                         c.pretrain.binary_inputs)
   for module in (clevr_change, spot_the_diff, image_editing_request):
     assert switches(module.get_config('paper')) == ('none', 1.0, 'masked')
+    assert module.get_config('paper').tokenizer.model.feature_pixels == 0
     assert switches(module.get_config('cpu')) == ('before', 0.02, 'visible')
 
 

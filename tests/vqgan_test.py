@@ -232,6 +232,30 @@ def test_input_scaling_switches():
                                                                  method='encode_features')
 
 
+def test_feature_pixels_appends_each_cells_pooled_pixels():
+  # TINY: 16 px, a 8 x 8 grid of 2 x 2 px cells; P = 1 pools each cell to its mean colour.
+  x = _images(2, 16, seed=4)
+  plain = vqgan.VQGAN(**TINY)
+  variables = _variables(plain, 16)
+  with_pixels = vqgan.VQGAN(**dict(TINY, feature_pixels=1))
+  f = with_pixels.apply(variables, x, method='encode_features')
+  assert f.shape == (2, 8, 8, TINY['z_channels'] + 3)
+  np.testing.assert_array_equal(f[..., :-3], plain.apply(variables, x, method='encode_features'))
+  cell = x[1, 4:6, 6:8].mean((0, 1))  # row 2, column 3 of the grid
+  np.testing.assert_allclose(f[1, 2, 3, -3:], 2 * cell - 1, atol=1e-6)
+  # P = 2 keeps every pixel of a 2 x 2 cell, row-major then channel.
+  f2 = vqgan.VQGAN(**dict(TINY, feature_pixels=2)).apply(variables, x, method='encode_features')
+  np.testing.assert_allclose(f2[0, 5, 1, -12:], (2 * x[0, 10:12, 2:4] - 1).reshape(-1),
+                             atol=1e-6)
+  # The one-pass encode (same input scales) appends the same pixels; the codes do not change.
+  one = vqgan.VQGAN(**dict(TINY, feature_input_scale='signed', feature_pixels=1))
+  feats, codes = one.apply(variables, x, method='encode_features_and_tokens')
+  np.testing.assert_array_equal(feats[..., -3:], f[..., -3:])
+  np.testing.assert_array_equal(codes, plain.apply(variables, x, method='encode_tokens'))
+  with pytest.raises(ValueError, match='must divide'):
+    vqgan.VQGAN(**dict(TINY, feature_pixels=3)).apply(variables, x, method='encode_features')
+
+
 def test_bfloat16_compute_dtype_runs():
   x = _images(2, 16)
   model = vqgan.VQGAN(**TINY)

@@ -27,6 +27,11 @@ Input scaling (the original's quirk, docs/architecture.md): taming trains and to
                         'signed' feeds 2x - 1 like the tokens.
 The decoder produces the [-1, 1] space; outputs are mapped back with (y + 1) / 2.
 
+`feature_pixels` (not the original's; a synthetic-benchmark switch, docs/fidelity.md): P > 0
+appends each token cell's pixels, average-pooled to P x P and mapped to [-1, 1], to the features
+(`encode_features` then gives Z + 3 P^2 channels): a linear pixel stem beside the tokenizer's
+features, for a from-scratch tokenizer whose codes keep an object's shape but not its colour.
+
 Quantizer losses follow taming's legacy `VectorQuantizer2`: both terms are the mean squared
 distance between z and its code; `commitment_loss` carries the gradient to the encoder
 (||sg(z_q) - z||^2) and `codebook_loss` to the codebook (||z_q - sg(z)||^2). The legacy total is
@@ -138,6 +143,7 @@ class VQGAN(nn.Module):
   beta: float = 0.25
   feature_input_scale: str = 'unit'
   token_input_scale: str = 'signed'
+  feature_pixels: int = 0
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -178,7 +184,22 @@ class VQGAN(nn.Module):
 
   def encode_features(self, x01: jax.Array) -> jax.Array:
     """Continuous encoder output before quant_conv: [B, S, S, 3] in [0, 1] -> [B, h, w, Z]."""
-    return self.encoder(scale_input(x01, self.feature_input_scale), False).astype(jnp.float32)
+    h = self.encoder(scale_input(x01, self.feature_input_scale), False).astype(jnp.float32)
+    return self._with_pixels(h, x01)
+
+  def _with_pixels(self, h: jax.Array, x01: jax.Array) -> jax.Array:
+    """Features h [B, h, w, Z] with each cell's pooled pixels appended ([B, h, w, Z + 3 P^2])
+    when `feature_pixels` P > 0; h unchanged otherwise."""
+    p = self.feature_pixels
+    if not p:
+      return h
+    b, gh, gw, _ = h.shape
+    s = x01.shape[1]
+    if (s // gh) % p:
+      raise ValueError(f'feature_pixels {p} must divide the token cell side {s // gh}')
+    pooled = nn.avg_pool(x01.astype(jnp.float32), (s // gh // p,) * 2, (s // gh // p,) * 2)
+    cells = pooled.reshape(b, gh, p, gw, p, 3).transpose(0, 1, 3, 2, 4, 5)  # [B, h, w, P, P, 3]
+    return jnp.concatenate([h, 2.0 * cells.reshape(b, gh, gw, -1) - 1.0], -1)
 
   def encode_tokens(self, x01: jax.Array) -> jax.Array:
     """Code indices: [B, S, S, 3] in [0, 1] -> [B, h*w] int32 (row-major over h, w)."""
@@ -197,7 +218,7 @@ class VQGAN(nn.Module):
                        'feature_input_scale equals token_input_scale, not '
                        f'{self.feature_input_scale!r} and {self.token_input_scale!r}')
     h = self.encoder(scale_input(x01, self.token_input_scale), False)
-    return h.astype(jnp.float32), self._codes(h)
+    return self._with_pixels(h.astype(jnp.float32), x01), self._codes(h)
 
   def decode_tokens(self, ids: jax.Array) -> jax.Array:
     """Images from code indices: [B, h*w] (square grid) -> [B, S, S, 3] clipped to [0, 1]."""
