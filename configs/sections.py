@@ -119,6 +119,9 @@ def pretrain(*, model: dict, binary_inputs: str, train: dict) -> ml_collections.
       scan_blocks=False,               # blocks as a checkpointed lax.scan (memory, same values)
       scan_keep_dense=False,           # with scan_blocks: keep the dense outputs (speed, memory)
       attention_chunk=0,               # >0: attention queries in chunks (memory, same values)
+      # C1 > 0: a learned stem (two 3 x 3 convolutions of C1 channels) over the pooled pixels of
+      # tokenizer.model.feature_pixels, added to the frame tokens (not the original's); 0: none
+      pixel_stem=0,
   ))
   p.masking = ml_collections.ConfigDict(dict(
       strategy_probs=(0.7, 0.1, 0.1, 0.1, 0.0),  # random, all, in-box, out-box, stage-2 pattern

@@ -88,6 +88,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if got != want:
       raise errors.UserError(f'config.{key} is {got} but the other settings need {want}; '
                              'set it to match (see configs/ for consistent presets)')
+  if p.pixel_stem and not t.feature_pixels:
+    raise errors.UserError('config.pretrain.model.pixel_stem reads the pooled pixels of '
+                           'config.tokenizer.model.feature_pixels; set that above 0 too')
   if not 1 <= d.num_keyframes <= 7:
     raise errors.UserError(f'config.data.num_keyframes is {d.num_keyframes}; it must be 1..7 '
                            '(interior frames of a 9-frame sequence)')
@@ -211,6 +214,7 @@ def encoder_kwargs(config: ml_collections.ConfigDict) -> dict:
   kwargs = config.pretrain.model.to_dict()
   kwargs['grid'] = tuple(kwargs['grid'])
   kwargs['num_frames'] = frame_slots(config)
+  kwargs['pixels'] = config.tokenizer.model.feature_pixels
   return kwargs
 
 

@@ -37,6 +37,7 @@ ADDED_LATER = {
     'pretrain.model.scan_keep_dense': False,
     'pretrain.model.attention_chunk': 0,
     'pretrain.model.attention_group': 0,
+    'pretrain.model.pixel_stem': 0,
     'pretrain.train.decay_steps': 0,
     'pretrain.train.micro_batches': 1,
     'caption.init_from': '',

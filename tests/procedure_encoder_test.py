@@ -489,6 +489,49 @@ def test_frame_difference_adds_the_same_position_difference_where_both_tokens_ar
         jax.random.PRNGKey(0), text, feats, mask, use_rel=True)
 
 
+def test_pixel_stem_gives_each_token_its_neighbours_pixels_and_their_difference():
+  """`pixel_stem` C1 with `pixels` P: two 3 x 3 convolutions over the features' last 3 P^2
+  channels (each cell's pooled pixels, put back into an image) add to every visible frame token,
+  and their difference from the first frame's to the later frames' tokens. The pixels of one
+  cell of frame 1 reach that cell's and its neighbours' tokens (two 3 x 3 convolutions reach 2
+  pixels, one cell at P = 2), not cells two away; a change in the other channels reaches its own
+  cell only. Off, no parameter is added (the original's tree)."""
+  text, _, _ = _inputs()
+  feats = jnp.asarray(np.random.default_rng(1).normal(size=(B, 3, 2, 3, 16)), jnp.float32)
+  mask = jnp.zeros((B, 3, N), bool)  # every token visible
+  kw = dict(KW, feature_dim=16, pixels=2)  # the last 3 x 2 x 2 of the 16 channels are pixels
+  model = pe.ProcedureEncoder(**kw, pixel_stem=4, frame_difference='before')
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), text, feats, mask,
+                                    use_rel=True)['params'])
+  plain = pe.ProcedureEncoder(**kw, frame_difference='before')
+  plain_params = plain.init(jax.random.PRNGKey(0), text, feats, mask, use_rel=True)['params']
+  assert set(params) - set(plain_params) == {'stem', 'pixel_to_embedding',
+                                             'pixel_diff_to_embedding'}
+  assert not set(plain_params) - set(params)
+  frames = _method(pe.ProcedureEncoder._frames)
+
+  def moved(channels):  # which tokens of frame 1 and 2 change when cell (0, 0) of frame 1 does
+    out = []
+    for m, p in ((model, params), (plain, {k: v for k, v in params.items()
+                                           if k in plain_params})):
+      f2 = feats.at[:, 1, 0, 0, channels].add(3.0)
+      d = np.abs(np.asarray(m.apply({'params': p}, f2, mask, method=frames)) -
+                 np.asarray(m.apply({'params': p}, feats, mask, method=frames)))
+      out.append(d.reshape(B, 3, 2, 3, -1).max(axis=(0, 4)) > 1e-6)  # [T, h, w]
+    return out
+
+  with_stem, without = moved(slice(4, 16))
+  assert not with_stem[0].any() and not with_stem[2].any()  # frame 0 is the reference
+  # grid (2, 3): cell (0, 0) reaches (0, 0), (0, 1), (1, 0), (1, 1), not column 2
+  np.testing.assert_array_equal(with_stem[1], [[True, True, False], [True, True, False]])
+  np.testing.assert_array_equal(without[1], [[True, False, False], [False, False, False]])
+  with_stem, _ = moved(slice(0, 4))
+  np.testing.assert_array_equal(with_stem[1], [[True, False, False], [False, False, False]])
+  with pytest.raises(ValueError, match='pixel_stem needs'):
+    pe.ProcedureEncoder(**dict(kw, pixels=0), pixel_stem=4).init(
+        jax.random.PRNGKey(0), text, feats, mask, use_rel=True)
+
+
 def test_frame_difference_lets_the_encoder_learn_a_same_position_change():
   """On the before and after frames of probe_consistency's `--toy` clips (one token of the
   after frame moves in half the clips), a tiny encoder with `frame_difference='before'` learns

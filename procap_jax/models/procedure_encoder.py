@@ -120,6 +120,32 @@ def _table(module: nn.Module, name: str, rows: int, width: int, row_axis: str | 
                                                          (row_axis, 'embed')), (rows, width))
 
 
+class PixelStem(nn.Module):
+  """A learned stem over the pooled pixels that `tokenizer.model.feature_pixels` appends to the
+  features (not the original's; docs/fidelity.md): each frame's P x P pixels per token cell are
+  put back into an image [hP, wP, 3], two 3 x 3 convolutions with ReLU (`channels` each) give the
+  cells their neighbours' context, and each cell's P x P outputs are flattened.
+
+  [B, T, h, w, 3 P^2] -> [B, T, h, w, P^2 channels].
+  """
+  pixels: int
+  channels: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, h, w, _ = x.shape
+    p = self.pixels
+    img = x.reshape(b * t, h, w, p, p, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b * t, h * p,
+                                                                            w * p, 3)
+    for i in range(2):
+      img = nn.relu(nn.Conv(
+          self.channels, (3, 3), name=f'conv_{i}',
+          kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None,) * 4),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)))(img))
+    cells = img.reshape(b * t, h, p, w, p, self.channels).transpose(0, 1, 3, 2, 4, 5)
+    return cells.reshape(b, t, h, w, p * p * self.channels)
+
+
 class ProcedureEncoder(nn.Module):
   """[REL] + caption + [ST1] + [VID] + T x N frame tokens -> hidden states and stage-1 heads.
 
@@ -166,6 +192,11 @@ class ProcedureEncoder(nn.Module):
       the encoder the same-position before/after comparison that a from-scratch encoder does not
       learn in a CPU budget (docs/fidelity.md). No LayerNorm before the Dense, so the size of the
       difference survives. 'none' creates no parameter, so the original's layout is kept.
+    pixels: P, the pooled pixels per token cell side at the end of the features
+      (`tokenizer.model.feature_pixels`; `config_lib.encoder_kwargs` fills it); 0 = none.
+    pixel_stem: 0 (the original) | C1 > 0: a `PixelStem` of C1 channels over those pixels adds
+      `pixel_to_embedding` of its output to every frame token (and, with frame_difference
+      'before', `pixel_diff_to_embedding` of its difference from the first frame's).
     dtype: computation dtype of the matmuls (parameters are float32).
   """
   width: int
@@ -185,6 +216,8 @@ class ProcedureEncoder(nn.Module):
   attention_chunk: int = 0
   attention_group: int = 0
   frame_difference: str = 'none'
+  pixels: int = 0
+  pixel_stem: int = 0
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -205,6 +238,15 @@ class ProcedureEncoder(nn.Module):
     if self.frame_difference == 'before':
       self.diff_to_embedding = layers.dense(d, (None, 'embed'), dtype=self.dtype,
                                             fan_in=self.feature_dim)
+    if self.pixel_stem:
+      if not self.pixels:
+        raise ValueError('pixel_stem needs the pooled pixels of tokenizer.model.feature_pixels')
+      self.stem = PixelStem(self.pixels, self.pixel_stem)
+      self.pixel_to_embedding = layers.dense(d, (None, 'embed'), dtype=self.dtype,
+                                             fan_in=self.pixels ** 2 * self.pixel_stem)
+      if self.frame_difference == 'before':
+        self.pixel_diff_to_embedding = layers.dense(d, (None, 'embed'), dtype=self.dtype,
+                                                    fan_in=self.pixels ** 2 * self.pixel_stem)
     self.target_pos_emb = AxialPositionEmbedding((self.num_frames,) + tuple(self.grid), d, std)
     block = nn.remat(layers.ResidualAttentionBlock) if self.remat else layers.ResidualAttentionBlock
     self.resblocks = [block(d, self.heads, self.mlp_ratio, self.depth, self.dtype,
@@ -248,10 +290,15 @@ class ProcedureEncoder(nn.Module):
                        f'({self.num_frames} or fewer frames,) + {expected}')
     f = features.astype(jnp.float32)  # [B, T, h, w, C]
     emb = self.conv_to_embedding(f).astype(jnp.float32)  # [B, T, h, w, D]
+    if self.pixel_stem:
+      stem = self.stem(f[..., c - 3 * self.pixels ** 2:])  # [B, T, h, w, P^2 C1]
+      emb = emb + self.pixel_to_embedding(stem).astype(jnp.float32)
     masked = frame_mask.reshape(b, t, h, w, 1)  # [B, T, h, w, 1]
     emb = jnp.where(masked, self.image_mask, emb)  # [B, T, h, w, D]
     if self.frame_difference == 'before' and t > 1:
       diff = self.diff_to_embedding(f[:, 1:] - f[:, :1]).astype(jnp.float32)  # [B, T-1, h, w, D]
+      if self.pixel_stem:
+        diff = diff + self.pixel_diff_to_embedding(stem[:, 1:] - stem[:, :1]).astype(jnp.float32)
       hidden = masked[:, 1:] | masked[:, :1]  # either token masked: no difference to show
       emb = emb.at[:, 1:].add(jnp.where(hidden, 0.0, diff))  # [B, T, h, w, D]
     emb = emb + self.target_pos_emb()[None, :t]  # [B, T, h, w, D]
