@@ -109,7 +109,6 @@ def pretrain(*, model: dict, binary_inputs: str, train: dict) -> ml_collections.
   checkpoint_every, eval_batches."""
   p = ml_collections.ConfigDict()
   p.model = ml_collections.ConfigDict(dict(
-      **model,
       heads=4,
       mlp_ratio=4,
       text_len=24,
@@ -123,6 +122,7 @@ def pretrain(*, model: dict, binary_inputs: str, train: dict) -> ml_collections.
       # tokenizer.model.feature_pixels, added to the frame tokens (not the original's); 0: none
       pixel_stem=0,
   ))
+  p.model.update(model)
   p.masking = ml_collections.ConfigDict(dict(
       strategy_probs=(0.7, 0.1, 0.1, 0.1, 0.0),  # random, all, in-box, out-box, stage-2 pattern
       keep_prob_range=(0.2, 0.2),

@@ -179,13 +179,22 @@ def default(gallery_per_type: int = 3, preset: str = 'default') -> ml_collection
 
   The feature cache is on: stage 2 encodes about 96,000 images in 2,000 steps, the cache 64,800
   once. `ablation` (whose runs share one cache) shows one gallery pair per change type.
+
+  The frame tokens also see the pixels (not the original's): the tokenizer's features carry each
+  token cell's pixels pooled to 4 x 4 (`feature_pixels`), and a learned stem of two 3 x 3
+  convolutions over them (`pixel_stem`) adds to each token (docs/fidelity.md): this from-scratch
+  tokenizer's features keep an object's shape but not its colour.
   """
+  tokenizer = _small_tokenizer()
+  tokenizer.model.feature_pixels = 4
   return sections.assemble(
       preset,
       data=sections.data(builder_config='small', image_size=64, feature_cache=True),
-      tokenizer=_small_tokenizer(),
+      tokenizer=tokenizer,
       pretrain=sections.pretrain(
-          model=dict(width=64, depth=2, feature_dim=64, codebook_size=256, **_CPU_SWITCHES),
+          # feature_dim: the tokenizer's 64 channels and 4 x 4 pooled pixels per token (48)
+          model=dict(width=64, depth=2, feature_dim=112, codebook_size=256, pixel_stem=16,
+                     **_CPU_SWITCHES),
           binary_inputs='visible',
           # lr decay over the last 70 steps ('faithful' sets 0: the original's constant lr)
           train=dict(**_every(200, 50, 100, 100), batch_size=8, lr=5e-4, warmup_steps=100,
@@ -306,6 +315,10 @@ def _set_duda(config: ml_collections.ConfigDict, inputs: str) -> None:
   # pixels: nothing to cache without a tokenizer; features: the frozen tokenizer's features of
   # before and after, computed once
   config.data.feature_cache = inputs == 'features'
+  # DUDA reads the tokenizer's own features (or its own stem): no pooled pixels beside them
+  config.tokenizer.model.feature_pixels = 0
+  config.pretrain.model.feature_dim = config.tokenizer.model.z_channels
+  config.pretrain.model.pixel_stem = 0
   t = config.caption.train
   t.lr = 1e-3                          # Adam (optax.adamw), warmup then linear decay to 0
   t.weight_decay = 0.0

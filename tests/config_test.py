@@ -23,7 +23,13 @@ def test_default_is_large_with_a_smaller_shorter_stage1_and_ablation_is_default_
   default, large = synthetic.get_config('default'), synthetic.get_config('large')
   ablation = synthetic.get_config('ablation')
   assert (default.preset, large.preset, ablation.preset) == ('default', 'large', 'ablation')
-  assert default.data == large.data and default.tokenizer == large.tokenizer
+  assert default.data == large.data
+  # The default's tokens also see the pixels (docs/fidelity.md); the tokenizer is large's.
+  assert (default.tokenizer.model.feature_pixels, default.pretrain.model.pixel_stem) == (4, 16)
+  assert (large.tokenizer.model.feature_pixels, large.pretrain.model.pixel_stem) == (0, 0)
+  without_pixels = lambda c: {k: v for k, v in c.tokenizer.model.items() if k != 'feature_pixels'}
+  assert without_pixels(default) == without_pixels(large)
+  assert default.tokenizer.train == large.tokenizer.train
   assert default.pretrain.model.width < large.pretrain.model.width
   assert default.pretrain.train.steps < large.pretrain.train.steps
   # The default's stage-2 recipe (docs/fidelity.md) departs from the original's settings,
@@ -64,6 +70,7 @@ def test_unknown_variant_is_rejected():
     ('data.encoder_text', 'bpe', 'encoder_text'),
     # pooled pixels widen the features: 32 + 3 x 2 x 2 channels, not the preset's 32
     ('tokenizer.model.feature_pixels', 2, 'feature_dim is 32 but the other settings need 44'),
+    ('pretrain.model.pixel_stem', 8, 'feature_pixels; set that above 0'),
 ])
 def test_bad_values(key, value, match):
   config = synthetic.get_config('tiny')
@@ -167,6 +174,10 @@ def test_paper_configs_keep_the_original_switches_and_cpu_smoke_configs_do_not()
   for module in (clevr_change, spot_the_diff, image_editing_request):
     assert switches(module.get_config('paper')) == ('none', 1.0, 'masked')
     assert module.get_config('paper').tokenizer.model.feature_pixels == 0
+    assert module.get_config('paper').pretrain.model.pixel_stem == 0
+    caption = module.get_config('paper').caption
+    assert (caption.model.attention_scale, caption.train.label_smoothing,
+            caption.train.loss_reduction) == ('d_model', 0.1, 'sum')
     assert switches(module.get_config('cpu')) == ('before', 0.02, 'visible')
 
 
