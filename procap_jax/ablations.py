@@ -12,10 +12,9 @@ queries), no_stage1 (queries without stage 1, k = 1), k1, k2 (the full model), k
 (k = 2 with the paper presets' stage-1 switches instead of the synthetic default's departures).
 Each variant x seed is an ordinary run in `<root>/<variant>_s<seed>` (resumable; finished runs
 are skipped). The preset is `ablation` unless `--preset` says otherwise: the default (the
-`small` dataset and its tokenizer, a small 200-step stage 1 and a 900-step stage 2) with a
-smaller report, so the full k = 2 row trains the default (12 to 35 minutes a run on one
-thread; 3 seeds of the 8 variants take about three and a half hours on 2 cores with --jobs 2,
-docs/results.md; `--report_only` writes the table from the finished runs, training nothing).
+`small` dataset and its tokenizer, a small 200-step stage 1 and a 2,000-step stage 2) with a
+smaller report, so the full k = 2 row trains the default (`--report_only` writes the table from
+the finished runs, training nothing).
 The tokenizer does not depend on the variant: one is trained (in `<root>/tokenizer`) and copied
 into every run, so every run reads one feature cache (`--tokenizer_per_seed` trains one per seed
 instead). Test metrics (overall and by change type) are reported as mean and std over seeds,
