@@ -41,6 +41,23 @@ ATTENTION_OUTPUT = 'attention_output'
 DENSE_OUTPUT = 'dense_output'
 
 
+def image_to_cells(image: jax.Array, side: int) -> jax.Array:
+  """[B, h * side, w * side, C] -> [B, h, w, side * side * C]: each side x side cell's values,
+  row-major, channels last (the layout of `tokenizer.model.feature_pixels`)."""
+  b, hs, ws, c = image.shape
+  h, w = hs // side, ws // side
+  cells = image.reshape(b, h, side, w, side, c).transpose(0, 1, 3, 2, 4, 5)
+  return cells.reshape(b, h, w, side * side * c)
+
+
+def cells_to_image(cells: jax.Array, side: int) -> jax.Array:
+  """The inverse of `image_to_cells`: [B, h, w, side * side * C] -> [B, h * side, w * side, C]."""
+  b, h, w, n = cells.shape
+  c = n // (side * side)
+  image = cells.reshape(b, h, w, side, side, c).transpose(0, 1, 3, 2, 4, 5)
+  return image.reshape(b, h * side, w * side, c)
+
+
 def quick_gelu(x: jax.Array) -> jax.Array:
   """CLIP's QuickGELU: x * sigmoid(1.702 x)."""
   return x * jax.nn.sigmoid(1.702 * x)

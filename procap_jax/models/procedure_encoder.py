@@ -134,16 +134,13 @@ class PixelStem(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, h, w, _ = x.shape
-    p = self.pixels
-    img = x.reshape(b * t, h, w, p, p, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b * t, h * p,
-                                                                            w * p, 3)
+    img = layers.cells_to_image(x.reshape(b * t, h, w, -1), self.pixels)  # [BT, hP, wP, 3]
     for i in range(2):
       img = nn.relu(nn.Conv(
           self.channels, (3, 3), name=f'conv_{i}',
           kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None,) * 4),
           bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)))(img))
-    cells = img.reshape(b * t, h, p, w, p, self.channels).transpose(0, 1, 3, 2, 4, 5)
-    return cells.reshape(b, t, h, w, p * p * self.channels)
+    return layers.image_to_cells(img, self.pixels).reshape(b, t, h, w, -1)
 
 
 class ProcedureEncoder(nn.Module):

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from procap_jax.models import layers
 from procap_jax.models import vqgan_layers
 
 # Images per encode call of the bfloat16 frozen tokenizer: the band loops' float32 results and
@@ -193,13 +194,11 @@ class VQGAN(nn.Module):
     p = self.feature_pixels
     if not p:
       return h
-    b, gh, gw, _ = h.shape
-    s = x01.shape[1]
-    if (s // gh) % p:
-      raise ValueError(f'feature_pixels {p} must divide the token cell side {s // gh}')
-    pooled = nn.avg_pool(x01.astype(jnp.float32), (s // gh // p,) * 2, (s // gh // p,) * 2)
-    cells = pooled.reshape(b, gh, p, gw, p, 3).transpose(0, 1, 3, 2, 4, 5)  # [B, h, w, P, P, 3]
-    return jnp.concatenate([h, 2.0 * cells.reshape(b, gh, gw, -1) - 1.0], -1)
+    cell = x01.shape[1] // h.shape[1]  # token cell side in pixels
+    if cell % p:
+      raise ValueError(f'feature_pixels {p} must divide the token cell side {cell}')
+    pooled = nn.avg_pool(x01.astype(jnp.float32), (cell // p,) * 2, (cell // p,) * 2)
+    return jnp.concatenate([h, 2.0 * layers.image_to_cells(pooled, p) - 1.0], -1)
 
   def encode_tokens(self, x01: jax.Array) -> jax.Array:
     """Code indices: [B, S, S, 3] in [0, 1] -> [B, h*w] int32 (row-major over h, w)."""
