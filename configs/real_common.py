@@ -26,11 +26,12 @@ def make(dataset: str, preset: str, *, encoder_depth: int, decoder_layers: int,
   config.caption.train.scene_pairs = dataset == 'clevr_change'
   # The original's stage 2 and frame tokens, not the synthetic default's recipe (docs/
   # fidelity.md): the decoder's scores / sqrt(d_model), label smoothing 0.1 summed over words,
-  # the tokenizer's features alone.
+  # the tokenizer's features alone, no change head.
   config.caption.model.attention_scale = 'd_model'
   config.caption.train.label_smoothing, config.caption.train.loss_reduction = 0.1, 'sum'
   config.tokenizer.model.feature_pixels = 0
   config.pretrain.model.pixel_stem = 0
+  config.caption.model.change_head, config.caption.train.change_loss = 0, 0.0
   if preset == 'cpu':
     d.builder_config = 'tiny32'
     d.image_size = 32

@@ -55,6 +55,9 @@ def _caption(*, model: dict, train: dict) -> ml_collections.ConfigDict:
       text_slot='code',                # stage-2 text slots: 'code' rows 0..L-1 | 'padding' | 'none'
       stage2_mask='code',              # 'code': original off-by-one [ST1]/[VID] rows | 'aligned'
       use_queries=True,                # False: static baseline memory (before/after only)
+      # W > 0: an auxiliary head naming the change type from the memory (not the original's;
+      # trained with weight train.change_loss; captions still come from the decoder alone)
+      change_head=0,
       vocab_size=0,                    # 0 -> taken from the caption vocabulary at build time
       # 'procap' (the settings above) | 'duda': the field's baseline, DUDA (Park et al., ICCV
       # 2019; procap_jax/models/duda.py), with the settings below and dropout above.
@@ -89,6 +92,7 @@ def _caption(*, model: dict, train: dict) -> ml_collections.ConfigDict:
       # before image is encoded once. Needs a dataset whose records come in such pairs.
       scene_pairs=False,
       t_total_factor=1.0,              # schedule length / steps (2.0 = the original 2-GPU launch)
+      change_loss=0.0,                 # weight of the change head's cross-entropy (0: none)
   ))
   c.train.update(train)
   c.decoding = ml_collections.ConfigDict(dict(

@@ -108,6 +108,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if ct.scene_pairs and ct.batch_size % 2:
     raise errors.UserError(f'config.caption.train.scene_pairs puts two pairs of a scene in every '
                            f'batch, so the batch size must be even (it is {ct.batch_size})')
+  cm = config.caption.model
+  if not (isinstance(cm.change_head, int) and cm.change_head >= 0 and ct.change_loss >= 0):
+    raise errors.UserError(f'config.caption.model.change_head ({cm.change_head!r}) and '
+                           f'config.caption.train.change_loss ({ct.change_loss!r}) must not be '
+                           'negative')
+  if ct.change_loss and (not cm.change_head or caption_kind(config) != 'procap'):
+    raise errors.UserError('config.caption.train.change_loss trains ProCap\'s change head; set '
+                           'config.caption.model.change_head above 0 (kind procap) or the loss '
+                           'to 0')
   rows = config.caption.decoding.encode_rows
   if not isinstance(rows, int) or rows < 0:
     raise errors.UserError(f'config.caption.decoding.encode_rows is {rows!r}; it must be 0 (the '

@@ -50,6 +50,8 @@ ADDED_LATER = {
     'caption.train.t_total_factor': 1.0,
     'caption.train.micro_batches': 1,
     'caption.train.scene_pairs': False,
+    'caption.model.change_head': 0,
+    'caption.train.change_loss': 0.0,
     'caption.decoding.alpha': 0.0,
     'caption.decoding.encode_rows': 0,
     'mesh.cpu_devices': 1,
@@ -100,6 +102,8 @@ def migrate(config) -> ml_collections.ConfigDict:
   | caption.train.loss_reduction         | 'sum'     | the original's summed KL               |
   | caption.train.t_total_factor         | 1.0       | schedule length = steps                |
   | caption.train.scene_pairs            | False     | batches of independent pairs           |
+  | caption.model.change_head            | 0         | no change head                         |
+  | caption.train.change_loss            | 0.0       |   "                                    |
   | caption.decoding.alpha               | 0.0       | beam scores = sum of log-probs         |
   | caption.decoding.encode_rows         | 0         | the whole batch encoded at once        |
   | mesh.cpu_devices                     | 1         | a CPU host ran as one device           |

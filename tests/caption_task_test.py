@@ -23,6 +23,7 @@ from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import procedure_encoder
 from procap_jax.tasks import caption
+from procap_jax.tasks import caption_loss
 from procap_jax.tasks import caption_optimizer
 from procap_jax.models import encodings
 
@@ -31,7 +32,7 @@ from procap_jax.models import encodings
 
 def test_labels_match_vocab_decoder_labels():
   ids = np.array([[4, 9, 12, 5, 0, 0], [4, 8, 8, 8, 8, 5], [4, 5, 0, 0, 0, 0]], np.int32)
-  np.testing.assert_array_equal(caption.teacher_forcing_labels(jnp.asarray(ids)),
+  np.testing.assert_array_equal(caption_loss.teacher_forcing_labels(jnp.asarray(ids)),
                                 vocab_lib.decoder_labels(ids))
 
 
@@ -39,7 +40,7 @@ def test_label_smoothing_loss_by_hand():
   logits = np.array([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [9.0, 9.0, 9.0, 9.0]]],
                     np.float32)  # [1, 3, 4]
   labels = np.array([[2, 0, -1]])
-  total, count = caption.label_smoothing_loss(jnp.asarray(logits), jnp.asarray(labels), 0.1)
+  total, count = caption_loss.label_smoothing_loss(jnp.asarray(logits), jnp.asarray(labels), 0.1)
   expected = 0.0
   for pos, gold in ((0, 2), (1, 0)):
     z = logits[0, pos]
@@ -50,7 +51,7 @@ def test_label_smoothing_loss_by_hand():
   assert float(count) == 2
   assert float(total) == pytest.approx(expected, rel=1e-5)
   # no smoothing: plain summed cross-entropy
-  ce, _ = caption.label_smoothing_loss(jnp.asarray(logits), jnp.asarray(labels), 0.0)
+  ce, _ = caption_loss.label_smoothing_loss(jnp.asarray(logits), jnp.asarray(labels), 0.0)
   want = -sum(logits[0, p, g] - np.log(np.exp(logits[0, p]).sum()) for p, g in ((0, 2), (1, 0)))
   assert float(ce) == pytest.approx(want, rel=1e-5)
 
@@ -388,14 +389,50 @@ def test_invalid_rows_do_not_count():
   assert math.isfinite(float(metrics['loss_per_word']))
 
 
-@pytest.mark.parametrize('reduction,micro', [('sum', 2), ('mean', 4)])
-def test_micro_batches_give_the_batch_loss_metrics_and_gradients(reduction, micro):
+def test_change_head_loss_by_hand_and_off_by_default():
+  """The change head's cross-entropy over the valid rows, its accuracy, and the total loss
+  (caption loss + weight x the head's mean, with 'mean'); without the head the captioner's
+  parameters are the original's (no change_* entries)."""
+  batch, _, vocab = _toy_data(4)
+  batch = dict(batch, valid=np.array([True, True, True, False]))
+  plain = _tiny_config(vocab.size)
+  assert not any('change' in k for k in caption.build_model(plain).init(
+      jax.random.key(0), jnp.zeros([1, 2, 2, 3]), jnp.zeros([1, 2, 2, 3]),
+      jnp.asarray(batch['caption_in'][:1]))['params'])
+  logits = jnp.log(jnp.asarray([[0.7, 0.1, 0.1, 0.1, 0, 0, 0], [0.2, 0.6, 0.1, 0.1, 0, 0, 0],
+                                [0.5, 0.2, 0.1, 0.2, 0, 0, 0], [0.1, 0.1, 0.1, 0.7, 0, 0, 0]])
+                   + 1e-9)
+  assert captioner_lib.NUM_CHANGE_TYPES == len(pipeline.CHANGE_TYPES)
+  ce, right, rows = caption_loss.change_type_loss(logits, batch)  # types 1, 0, 1, (0 padding)
+  assert float(rows) == 3 and float(right) == 0  # argmaxes 0, 1, 0: all wrong
+  assert float(ce) == pytest.approx(-np.log(0.1) - np.log(0.2) - np.log(0.2), rel=1e-5)
+
+  config = _tiny_config(vocab.size)
+  config.caption.model.change_head = 8
+  config.caption.train.update(dict(change_loss=0.5, loss_reduction='mean'))
+  model = caption.build_model(config)
+  params = nn.meta.unbox(_init(model, config, batch))
+  assert {'change_hidden', 'change_out'} <= set(params)
+  task = caption.make_task(lambda c: FakeTokenizer())
+  loss, (metrics, _) = jax.jit(lambda p: task.loss_fn(p, {}, {'tokenizer': {}}, batch,
+                                                      jax.random.key(0), config, model))(params)
+  assert 0.0 <= float(metrics['change_accuracy']) <= 1.0 and float(metrics['change_loss']) > 0
+  assert float(loss) == pytest.approx(
+      float(metrics['loss_per_word']) + 0.5 * float(metrics['change_loss']), rel=1e-5)
+
+
+@pytest.mark.parametrize('reduction,micro,change', [('sum', 2, 0.0), ('mean', 4, 0.0),
+                                                    ('mean', 2, 0.5), ('sum', 4, 0.5)])
+def test_micro_batches_give_the_batch_loss_metrics_and_gradients(reduction, micro, change):
   """Without dropout, gradient accumulation over micro-batches is the batch's loss, metrics
-  and gradients ('mean' divides by the whole batch's words; a padding row counts nothing)."""
+  and gradients ('mean' divides by the whole batch's words; a padding row counts nothing), the
+  change head's loss included."""
   batch, _, vocab = _toy_data(8)
   batch = dict(batch, valid=np.array([True] * 7 + [False]))
   config = _tiny_config(vocab.size)
   config.caption.train.loss_reduction = reduction
+  config.caption.model.change_head = 8 if change else 0
+  config.caption.train.change_loss = change
   model = caption.build_model(config)
   params = nn.meta.unbox(_init(model, config, batch))
   task = caption.make_task(lambda c: FakeTokenizer())
@@ -406,6 +443,8 @@ def test_micro_batches_give_the_batch_loss_metrics_and_gradients(reduction, micr
   micro_config = _tiny_config(vocab.size)
   micro_config.caption.train.loss_reduction = reduction
   micro_config.caption.train.micro_batches = micro
+  micro_config.caption.model.change_head = config.caption.model.change_head
+  micro_config.caption.train.change_loss = change
   parts = jax.jit(lambda p: task.value_and_grad(p, {}, {'tokenizer': {}}, batch, rng,
                                                 micro_config, model))(params)
   (loss, (metrics, _)), grads = jax.device_get(whole)

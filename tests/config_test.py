@@ -71,6 +71,9 @@ def test_unknown_variant_is_rejected():
     # pooled pixels widen the features: 32 + 3 x 2 x 2 channels, not the preset's 32
     ('tokenizer.model.feature_pixels', 2, 'feature_dim is 32 but the other settings need 44'),
     ('pretrain.model.pixel_stem', 8, 'feature_pixels; set that above 0'),
+    ('caption.train.change_loss', 0.5, 'change_head above 0'),  # the tiny preset has no head
+    ('caption.train.change_loss', -1.0, 'must not be negative'),
+    ('caption.model.change_head', -4, 'must not be negative'),
 ])
 def test_bad_values(key, value, match):
   config = synthetic.get_config('tiny')
@@ -178,6 +181,7 @@ def test_paper_configs_keep_the_original_switches_and_cpu_smoke_configs_do_not()
     caption = module.get_config('paper').caption
     assert (caption.model.attention_scale, caption.train.label_smoothing,
             caption.train.loss_reduction) == ('d_model', 0.1, 'sum')
+    assert (caption.model.change_head, caption.train.change_loss) == (0, 0.0)
     assert switches(module.get_config('cpu')) == ('before', 0.02, 'visible')
 
 

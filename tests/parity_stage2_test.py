@@ -38,6 +38,7 @@ from procap_jax.convert import torch_files
 from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.tasks import caption
+from procap_jax.tasks import caption_loss
 from procap_jax.tasks import caption_optimizer
 
 FIXTURES = pathlib.Path(os.environ.get('PROCAP_PARITY_DIR')
@@ -92,7 +93,7 @@ def _relative_error(ours, reference) -> float:
 def _loss_fn(model, params, io):
   """The original's CLEVR step loss: the label-smoothed KL summed over both halves."""
   logits = model.apply({'params': params}, io['before'], io['after'], io['caption_in'])
-  return caption.label_smoothing_loss(logits, jnp.asarray(io['labels']), 0.1)[0]
+  return caption_loss.label_smoothing_loss(logits, jnp.asarray(io['labels']), 0.1)[0]
 
 
 def test_runs_the_paper_presets_code_paths(fixture):
@@ -118,14 +119,14 @@ def test_teacher_forced_logits_and_summed_loss_match(fixture):
   io, model, params = fixture['io'], fixture['model'], fixture['params']
   logits = jax.jit(model.apply)({'params': params}, io['before'], io['after'], io['caption_in'])
   assert _relative_error(logits, io['logits']) <= TOLERANCE
-  np.testing.assert_array_equal(caption.teacher_forcing_labels(io['caption_in']), io['labels'])
+  np.testing.assert_array_equal(caption_loss.teacher_forcing_labels(io['caption_in']), io['labels'])
   n = io['labels'].shape[0] // 2  # change half, then no-change half
   labels = jnp.asarray(io['labels'])
-  halves = [caption.label_smoothing_loss(logits[s], labels[s], 0.1)[0]
+  halves = [caption_loss.label_smoothing_loss(logits[s], labels[s], 0.1)[0]
             for s in (slice(0, n), slice(n, None))]
   assert _relative_error(halves[0], io['loss_change']) <= TOLERANCE
   assert _relative_error(halves[1], io['loss_no_change']) <= TOLERANCE
-  total = caption.label_smoothing_loss(logits, labels, 0.1)[0]
+  total = caption_loss.label_smoothing_loss(logits, labels, 0.1)[0]
   assert _relative_error(total, io['loss']) <= TOLERANCE
 
 

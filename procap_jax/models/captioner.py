@@ -32,6 +32,11 @@ from procap_jax.models import layers
 from procap_jax.models import procedure_encoder
 
 
+# The change head's classes: len(pipeline.CHANGE_TYPES) (none, color, material, add, drop, move,
+# other; tests/captioner_test.py checks they agree), without importing the data pipeline here.
+NUM_CHANGE_TYPES = 7
+
+
 class MemoryMLP(nn.Module):
   """Dense(D, D) -> ReLU -> Dense(D, H) -> LayerNorm(H) (torch LayerNorm, eps 1e-5)."""
   hidden: int
@@ -66,6 +71,10 @@ class ProCapModel(nn.Module):
     use_queries: False -> only the before and after slots (T = 2).
     text_slot: stage-2 text slots of the encoder ('code' | 'padding' | 'none', spec 8.1).
     stage2_mask: encoder attention mask in stage 2 ('code' | 'aligned', spec 8.2).
+    change_head: 0 (the original) | W > 0: an auxiliary head that names the change type from
+      the memory (`change_logits`; not the original's, docs/fidelity.md), trained with weight
+      `caption.train.change_loss`; the captions still come from the decoder alone.
+    num_change_types: the head's classes (`pipeline.CHANGE_TYPES`).
     dtype: computation dtype of the memory MLP.
   """
   encoder: nn.Module
@@ -74,10 +83,19 @@ class ProCapModel(nn.Module):
   use_queries: bool = True
   text_slot: str = 'code'
   stage2_mask: str = 'code'
+  change_head: int = 0
+  num_change_types: int = 7
   dtype: Any = jnp.float32
 
   def setup(self):
     self.memory_mlp = MemoryMLP(self.decoder.hidden, self.dtype)
+    if self.change_head:
+      self.change_hidden = nn.Dense(
+          self.change_head, kernel_init=decoder_lib.torch_kernel_init(('embed', 'mlp')),
+          bias_init=decoder_lib.torch_bias_init(self.decoder.hidden, ('mlp',)))
+      self.change_out = nn.Dense(
+          self.num_change_types, kernel_init=decoder_lib.torch_kernel_init(('mlp', None)),
+          bias_init=decoder_lib.torch_bias_init(self.change_head, (None,)))
 
   def frame_slots(self, before_feats: jax.Array,
                   after_feats: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -111,10 +129,24 @@ class ProCapModel(nn.Module):
     """Teacher-forced logits [B, L, V] of `tokens` [B, L] given `memory` [B, M, H]."""
     return self.decoder(tokens, memory, train)
 
+  def change_logits(self, memory: jax.Array) -> jax.Array:
+    """The auxiliary change head (`change_head` > 0): memory [B, M, H] -> Dense(W) -> ReLU ->
+    max over the M slots (a change sits in a few of them) -> Dense(types): logits [B, types]
+    (float32)."""
+    pooled = jnp.max(nn.relu(self.change_hidden(memory.astype(jnp.float32))), axis=1)  # [B, W]
+    return self.change_out(pooled)
+
   def __call__(self, before_feats: jax.Array, after_feats: jax.Array, tokens: jax.Array,
-               train: bool = False) -> jax.Array:
-    """Logits [B, L, V] of `tokens` [B, L] for the pairs' features [B, h, w, C]."""
-    return self.decode_logits(self.encode(before_feats, after_feats), tokens, train)
+               train: bool = False, with_change: bool = False):
+    """Logits [B, L, V] of `tokens` [B, L] for the pairs' features [B, h, w, C]; with
+    `with_change` also the change head's logits [B, types] (a pair)."""
+    memory = self.encode(before_feats, after_feats)
+    logits = self.decode_logits(memory, tokens, train)
+    if with_change or (self.change_head and self.is_initializing()):
+      change = self.change_logits(memory)
+      if with_change:
+        return logits, change
+    return logits
 
   def init_cache(self, memory: jax.Array) -> dict:
     """The decoder's incremental-decoding cache for `memory` [B, M, H]."""
@@ -157,7 +189,9 @@ def from_config(config: Any) -> ProCapModel:
       dropout=m.dropout, max_len=m.max_len, attention_scale=m.attention_scale,
       qkv_bias=m.qkv_bias, layernorm=m.layernorm, dtype=dtype)
   return ProCapModel(encoder=encoder, decoder=decoder, num_queries=k, use_queries=m.use_queries,
-                   text_slot=m.text_slot, stage2_mask=m.stage2_mask, dtype=dtype)
+                     text_slot=m.text_slot, stage2_mask=m.stage2_mask,
+                     change_head=int(m.change_head), num_change_types=NUM_CHANGE_TYPES,
+                     dtype=dtype)
 
 
 def generate(model: ProCapModel, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,

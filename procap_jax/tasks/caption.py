@@ -45,6 +45,7 @@ from procap_jax.data import vocab as vocab_lib
 from procap_jax.models import captioner as captioner_lib
 from procap_jax.models import duda as duda_lib
 from procap_jax.models import vqgan
+from procap_jax.tasks import caption_loss
 from procap_jax.tasks import caption_optimizer
 from procap_jax.models import encodings
 
@@ -185,73 +186,37 @@ def load_constants(config: ml_collections.ConfigDict, workdir: str) -> dict:
 # ----------------------------------------------------------------------------- loss
 
 
-def teacher_forcing_labels(caption_in: jax.Array) -> jax.Array:
-  """`vocab.decoder_labels` in jnp: [B, L] inputs -> [B, L] targets, -1 = ignored."""
-  following = caption_in[:, 1:]
-  labels = jnp.where(following != vocab_lib.PAD, following, vocab_lib.IGNORE)
-  return jnp.pad(labels, ((0, 0), (0, 1)), constant_values=vocab_lib.IGNORE).astype(jnp.int32)
-
-
-def label_smoothing_loss(logits: jax.Array, labels: jax.Array,
-                         smoothing: float) -> tuple[jax.Array, jax.Array]:
-  """The original `LabelSmoothingLoss` (spec 5.4): KL(q || softmax(logits)) SUMMED.
-
-  q puts 1 - smoothing on the gold word and smoothing / (V - 1) on every other word.
-
-  Args:
-    logits: [B, L, V].
-    labels: [B, L] int, -1 = ignored position.
-    smoothing: e.g. 0.1.
-
-  Returns:
-    (summed KL over valid positions, number of valid positions), float32 scalars.
-  """
-  v = logits.shape[-1]
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, L, V]
-  valid = labels != vocab_lib.IGNORE
-  gold = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-  confidence, other = 1.0 - smoothing, smoothing / (v - 1)
-  neg_entropy = jax.scipy.special.xlogy(confidence, confidence) + (
-      (v - 1) * jax.scipy.special.xlogy(other, other))
-  cross = confidence * gold + other * (jnp.sum(logp, axis=-1) - gold)  # [B, L]
-  kl = jnp.where(valid, neg_entropy - cross, 0.0)
-  return jnp.sum(kl), jnp.sum(valid).astype(jnp.float32)
-
-
 def _batch_labels(batch: dict) -> jax.Array:
   """Teacher-forcing targets [B, L] of the batch's captions, all ignored on padding rows."""
-  labels = teacher_forcing_labels(jnp.asarray(batch['caption_in'], jnp.int32))
+  labels = caption_loss.teacher_forcing_labels(jnp.asarray(batch['caption_in'], jnp.int32))
   return jnp.where(jnp.asarray(batch['valid'])[:, None], labels, vocab_lib.IGNORE)
 
 
-def _loss_and_metrics(total: jax.Array, count: jax.Array, correct: jax.Array,
-                      reduction: str) -> tuple[jax.Array, dict]:
-  """(loss, metrics) from the summed KL, the word count and the correct words: the loss is the
-  sum ('sum') or the mean per word ('mean')."""
-  if reduction not in ('sum', 'mean'):
-    raise ValueError(f"config.caption.train.loss_reduction must be 'sum' or 'mean', got "
-                     f'{reduction!r}')
-  per_word = total / jnp.maximum(count, 1.0)
-  loss = total if reduction == 'sum' else per_word
-  return loss, {'loss_per_word': per_word, 'loss_sum': total, 'tokens': count,
-                'accuracy': correct / jnp.maximum(count, 1.0)}
+def _rows(model: nn.Module, tokenizer: FrozenTokenizer, tokenizer_params: Any,
+          batch: dict) -> tuple[dict, jax.Array, jax.Array]:
+  """(the forward's rows, the batch's target words, its valid pairs), both counts >= 1."""
+  before, after = pair_inputs(model, tokenizer, tokenizer_params, batch)
+  rows = dict(before=before, after=after, tokens=jnp.asarray(batch['caption_in'], jnp.int32),
+              labels=_batch_labels(batch), change_type=jnp.asarray(batch['change_type'],
+                                                                   jnp.int32),
+              valid=jnp.asarray(batch['valid'], bool))
+  words = jnp.maximum(jnp.sum(rows['labels'] != vocab_lib.IGNORE).astype(jnp.float32), 1.0)
+  pairs = jnp.maximum(jnp.sum(rows['valid']).astype(jnp.float32), 1.0)
+  return rows, words, pairs
 
 
 def batch_loss(params: Any, tokenizer_params: Any, batch: dict, rng: jax.Array,
                config: ml_collections.ConfigDict, model: nn.Module,
                tokenizer: FrozenTokenizer) -> tuple[jax.Array, dict]:
-  """(loss, metrics) of a training batch; loss is the summed KL ('sum') or per word ('mean').
+  """(loss, metrics) of a training batch; loss is the summed KL ('sum') or per word ('mean'),
+  plus `caption.train.change_loss` times the change head's loss.
 
   The before/after features come from the feature cache when the batch carries it."""
-  before, after = pair_inputs(model, tokenizer, tokenizer_params, batch)
-  tokens = jnp.asarray(batch['caption_in'], jnp.int32)
-  labels = _batch_labels(batch)
-  logits = model.apply({'params': params}, before, after, tokens, train=True,
-                       rngs={'dropout': rng})
   t = config.caption.train
-  total, count = label_smoothing_loss(logits, labels, t.label_smoothing)
-  correct = jnp.sum((jnp.argmax(logits, -1) == labels) & (labels != vocab_lib.IGNORE))
-  return _loss_and_metrics(total, count, correct, t.loss_reduction)
+  rows, words, pairs = _rows(model, tokenizer, tokenizer_params, batch)
+  sums = caption_loss.forward_sums(params, model, rows, rng, t)
+  loss = caption_loss.reduce(sums, t.loss_reduction, t.change_loss, words, pairs)
+  return loss, caption_loss.metrics(sums, pairs)
 
 
 def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict,
@@ -262,35 +227,27 @@ def micro_batched_value_and_grad(params: Any, tokenizer_params: Any, batch: dict
   (gradient accumulation in a `lax.scan`).
 
   The frozen features are computed for the whole batch first; 'mean' divides by the whole
-  batch's word count. So the loss, metrics and gradients are the batch's, except that dropout
-  draws its masks per micro-batch (`jax.random.fold_in(rng, j)`): other masks from the same
-  distribution. Micro-batch j takes rows j, j + M, j + 2M, ... (M = micro_batches).
+  batch's word (and pair) count. So the loss, metrics and gradients are the batch's, except that
+  dropout draws its masks per micro-batch (`jax.random.fold_in(rng, j)`): other masks from the
+  same distribution. Micro-batch j takes rows j, j + M, j + 2M, ... (M = micro_batches).
 
   Returns:
     ((loss, metrics as `batch_loss`), gradients like `params`).
   """
-  before, after = pair_inputs(model, tokenizer, tokenizer_params, batch)
-  tokens = jnp.asarray(batch['caption_in'], jnp.int32)
-  m = micro_batches
-  labels = _batch_labels(batch)
   t = config.caption.train
-  words = jnp.maximum(jnp.sum(labels != vocab_lib.IGNORE).astype(jnp.float32), 1.0)
-  rows = dict(train.micro_batch_rows(dict(before=before, after=after, tokens=tokens,
-                                           labels=labels), m),
-              key=jnp.arange(m, dtype=jnp.int32))
+  rows, words, pairs = _rows(model, tokenizer, tokenizer_params, batch)
+  rows = dict(train.micro_batch_rows(rows, micro_batches),
+              key=jnp.arange(micro_batches, dtype=jnp.int32))
 
   def micro_loss(p, r):
-    logits = model.apply({'params': p}, r['before'], r['after'], r['tokens'], train=True,
-                         rngs={'dropout': jax.random.fold_in(rng, r['key'])})
-    total, count = label_smoothing_loss(logits, r['labels'], t.label_smoothing)
-    correct = jnp.sum((jnp.argmax(logits, -1) == r['labels']) & (r['labels'] != vocab_lib.IGNORE))
-    loss = total if t.loss_reduction == 'sum' else total / words
-    return loss, dict(total=total, count=count, correct=correct.astype(jnp.float32))
+    sums = caption_loss.forward_sums(p, model, r, jax.random.fold_in(rng, r['key']), t)
+    return caption_loss.reduce(sums, t.loss_reduction, t.change_loss, words, pairs), sums
 
-  zeros = {k: jnp.zeros((), jnp.float32) for k in ('total', 'count', 'correct')}
+  names = ('total', 'count', 'correct') + (('change_ce', 'change_right') if t.change_loss else ())
+  zeros = {k: jnp.zeros((), jnp.float32) for k in names}
   grads, sums = train.accumulate_gradients(micro_loss, params, rows, zeros)
-  return _loss_and_metrics(sums['total'], sums['count'], sums['correct'],
-                           t.loss_reduction), grads
+  return (caption_loss.reduce(sums, t.loss_reduction, t.change_loss, words, pairs),
+          caption_loss.metrics(sums, pairs)), grads
 
 
 def _features(tokenizer: FrozenTokenizer, tokenizer_params: Any, before: jax.Array,
