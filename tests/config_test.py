@@ -27,6 +27,11 @@ def test_default_is_large_with_a_smaller_shorter_stage1_and_ablation_is_default_
   # The default's tokens also see the pixels (docs/fidelity.md); the tokenizer is large's.
   assert (default.tokenizer.model.feature_pixels, default.pretrain.model.pixel_stem) == (4, 16)
   assert (large.tokenizer.model.feature_pixels, large.pretrain.model.pixel_stem) == (0, 0)
+  assert (default.caption.model.change_head, default.caption.train.change_loss) == (128, 1.0)
+  assert (large.caption.model.change_head, large.caption.train.change_loss) == (0, 0.0)
+  duda = synthetic.get_config('duda_patches')  # DUDA has no change head
+  assert (duda.caption.model.change_head, duda.caption.train.change_loss) == (0, 0.0)
+  config_lib.validate(duda)
   without_pixels = lambda c: {k: v for k, v in c.tokenizer.model.items() if k != 'feature_pixels'}
   assert without_pixels(default) == without_pixels(large)
   assert default.tokenizer.train == large.tokenizer.train
