@@ -33,7 +33,7 @@ from procap_jax.models import procedure_encoder
 
 
 # The change head's classes: len(pipeline.CHANGE_TYPES) (none, color, material, add, drop, move,
-# other; tests/captioner_test.py checks they agree), without importing the data pipeline here.
+# other; tests/caption_task_test.py checks they agree), without importing the data pipeline here.
 NUM_CHANGE_TYPES = 7
 
 
