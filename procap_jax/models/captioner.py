@@ -84,7 +84,7 @@ class ProCapModel(nn.Module):
   text_slot: str = 'code'
   stage2_mask: str = 'code'
   change_head: int = 0
-  num_change_types: int = 7
+  num_change_types: int = NUM_CHANGE_TYPES
   dtype: Any = jnp.float32
 
   def setup(self):
