@@ -532,6 +532,32 @@ def test_pixel_stem_gives_each_token_its_neighbours_pixels_and_their_difference(
         jax.random.PRNGKey(0), text, feats, mask, use_rel=True)
 
 
+def test_visible_frames_spares_the_stem_the_masked_frames_with_the_same_values():
+  """Stage 2 masks the query frames whole; `visible_frames=(0, T - 1)` runs the pixel stem on
+  before and after only. The encoder's outputs and the gradients of every parameter equal the
+  full computation's, with and without the frame difference."""
+  text, _, _ = _inputs()
+  feats = jnp.asarray(np.random.default_rng(2).normal(size=(B, 3, 2, 3, 16)), jnp.float32)
+  mask = jnp.zeros((B, 3, N), bool).at[:, 1].set(True)  # the middle frame is a query
+  for diff in ('before', 'none'):
+    model = pe.ProcedureEncoder(**dict(KW, feature_dim=16, pixels=2), pixel_stem=4,
+                                frame_difference=diff)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), None, feats, mask,
+                                      use_rel=False)['params'])
+
+    def loss(p, visible):
+      out = model.apply({'params': p}, None, feats, mask, use_rel=False, visible_frames=visible)
+      return jnp.sum(out['frame_hidden'] ** 2) + jnp.sum(out['vid_logit']), out['hidden']
+
+    (full, h_full), g_full = jax.value_and_grad(loss, has_aux=True)(params, None)
+    (part, h_part), g_part = jax.value_and_grad(loss, has_aux=True)(params, (0, 2))
+    np.testing.assert_allclose(h_part, h_full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(part, full, rtol=1e-5)
+    assert np.abs(np.asarray(g_full['stem']['conv_0']['kernel'])).max() > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 g_part, g_full)
+
+
 def test_frame_difference_lets_the_encoder_learn_a_same_position_change():
   """On the before and after frames of probe_consistency's `--toy` clips (one token of the
   after frame moves in half the clips), a tiny encoder with `frame_difference='before'` learns

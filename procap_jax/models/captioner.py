@@ -109,8 +109,9 @@ class ProCapModel(nn.Module):
 
   def _encoder_outputs(self, before_feats: jax.Array, after_feats: jax.Array) -> dict:
     frames, mask = self.frame_slots(before_feats, after_feats)
+    last = frames.shape[1] - 1  # the queries between before and after are masked whole
     return self.encoder(None, frames, mask, use_rel=False, stage2_mask=self.stage2_mask,
-                        text_slot=self.text_slot)
+                        text_slot=self.text_slot, visible_frames=(0, last))
 
   def encode(self, before_feats: jax.Array, after_feats: jax.Array) -> jax.Array:
     """Decoder memory.

@@ -274,11 +274,13 @@ class ProcedureEncoder(nn.Module):
       raise ValueError(f'text_slot must be one of {TEXT_SLOTS}, got {text_slot!r}')
     return jnp.take(self.text_emb, ids, axis=0) + self.text_pos_emb[None]  # [B, L, D]
 
-  def _frames(self, features: jax.Array, frame_mask: jax.Array) -> jax.Array:
+  def _frames(self, features: jax.Array, frame_mask: jax.Array,
+              visible_frames: tuple[int, ...] | None = None) -> jax.Array:
     """Frame tokens [B, T*N, D] from features [B, T, h, w, C] and mask [B, T, N].
 
     T may be smaller than num_frames (stage 2 without queries): the frames then take the
-    first T axial frame positions.
+    first T axial frame positions. `visible_frames` (static; see `__call__`) names the only
+    frames with visible tokens: the pixel stem runs on those frames alone.
     """
     b, t, h, w, c = features.shape
     expected = tuple(self.grid) + (self.feature_dim,)
@@ -288,7 +290,15 @@ class ProcedureEncoder(nn.Module):
     f = features.astype(jnp.float32)  # [B, T, h, w, C]
     emb = self.conv_to_embedding(f).astype(jnp.float32)  # [B, T, h, w, D]
     if self.pixel_stem:
-      stem = self.stem(f[..., c - 3 * self.pixels ** 2:])  # [B, T, h, w, P^2 C1]
+      pixels = f[..., c - 3 * self.pixels ** 2:]  # [B, T, h, w, 3 P^2]
+      if visible_frames is not None and len(visible_frames) < t:
+        # The other frames are masked whole: their stem output is replaced by the mask vector
+        # and hidden from the difference below, so zeros stand in for it (the same values).
+        shown = np.asarray(visible_frames)
+        part = self.stem(pixels[:, shown])  # [B, len(shown), h, w, P^2 C1]
+        stem = jnp.zeros((b, t) + part.shape[2:], part.dtype).at[:, shown].set(part)
+      else:
+        stem = self.stem(pixels)  # [B, T, h, w, P^2 C1]
       emb = emb + self.pixel_to_embedding(stem).astype(jnp.float32)
     masked = frame_mask.reshape(b, t, h, w, 1)  # [B, T, h, w, 1]
     emb = jnp.where(masked, self.image_mask, emb)  # [B, T, h, w, D]
@@ -322,7 +332,8 @@ class ProcedureEncoder(nn.Module):
     return x
 
   def __call__(self, text: jax.Array | None, frame_features: jax.Array, frame_mask: jax.Array, *,
-               use_rel: bool, stage2_mask: str = 'code', text_slot: str = 'code') -> dict:
+               use_rel: bool, stage2_mask: str = 'code', text_slot: str = 'code',
+               visible_frames: tuple[int, ...] | None = None) -> dict:
     """Encodes control tokens and frames.
 
     Args:
@@ -333,6 +344,9 @@ class ProcedureEncoder(nn.Module):
       stage2_mask: 'code' | 'aligned' attention rows when not use_rel (see `attention_mask`).
       text_slot: with text=None: 'code' (rows 0..L-1 of text_emb), 'padding' (the padding
         rows, an empty stage-1 caption) or 'none' (no text slots).
+      visible_frames: None, or a static tuple of the frames that have visible tokens, every
+        token of the other frames being masked (stage 2: before and after; the caller
+        guarantees it). Only spares the pixel stem those frames' work: the same values.
 
     Returns:
       dict with hidden [B, S, D], frame_hidden [B, T*N, D], frame_logits [B, T*N, K] (f32),
@@ -344,7 +358,7 @@ class ProcedureEncoder(nn.Module):
     num_text = text_emb.shape[1]
     parts += [text_emb, self._special(ST1, b), self._special(VID, b)]
     control_len = sum(p.shape[1] for p in parts)
-    frames = self._frames(frame_features, frame_mask)  # [B, T*N, D]
+    frames = self._frames(frame_features, frame_mask, visible_frames)  # [B, T*N, D]
     x = jnp.concatenate(parts + [frames], axis=1)  # [B, S, D]
     mask = jnp.asarray(attention_mask(num_text, frames.shape[1], use_rel=use_rel,
                                       stage2_mask=stage2_mask))  # [S, S]
