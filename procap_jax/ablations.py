@@ -9,16 +9,21 @@ r"""The paper's ablations on the synthetic benchmark, several seeds, written to 
 Variants (configs/synthetic.py): static (no stage 1, no queries), no_queries (stage 1, no
 queries), no_stage1 (queries without stage 1, k = 1), k1, k2 (the full model), k4, and oracle
 (k = 2 with keyframes from the renderer's true procedure instead of flow frames) and faithful
-(k = 2 with the paper presets' stage-1 switches instead of the synthetic default's departures).
+(k = 2 with the paper presets' stage-1 switches instead of the synthetic default's departures),
+and the field's baseline duda_patches (DUDA, Park et al., ICCV 2019, on pixel patches from
+scratch: stage 2 alone, no tokenizer).
 Each variant x seed is an ordinary run in `<root>/<variant>_s<seed>` (resumable; finished runs
 are skipped). The preset is `ablation` unless `--preset` says otherwise: the default (the
 `small` dataset and its tokenizer, a small 200-step stage 1 and a 2,000-step stage 2) with a
 smaller report, so the full k = 2 row trains the default (`--report_only` writes the table from
 the finished runs, training nothing).
 The tokenizer does not depend on the variant: one is trained (in `<root>/tokenizer`) and copied
-into every run, so every run reads one feature cache (`--tokenizer_per_seed` trains one per seed
-instead). Test metrics (overall and by change type) are reported as mean and std over seeds,
-beside the paper's CLEVR-Change numbers for context.
+into every run that has a tokenizer stage (all but duda_patches), so every run reads one feature
+cache (`--tokenizer_per_seed` trains one per seed instead). Test metrics (overall and by change
+type) are reported as mean and std over seeds, beside the paper's CLEVR-Change numbers for
+context and the reference rows (captioners that need no model, scored on the same test split;
+read from a finished run's results.json), then the goal lines of the full model
+(procap_jax/ablation_table.py renders them).
 """
 
 import argparse
@@ -29,36 +34,25 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 from configs import synthetic
+from procap_jax import ablation_table
 from procap_jax import errors
 from procap_jax import main as main_lib
 from procap_jax.data import datasets
 
-VARIANTS = ('static', 'no_queries', 'no_stage1', 'k1', 'k2', 'k4', 'oracle', 'faithful')
+VARIANTS = ablation_table.VARIANTS
 # Runs in this order, so a variant can reuse an earlier variant's finished stage 1 of the same
-# seed: 'no_queries' trains exactly the stage 1 of 'k2' (same config, same seed).
-RUN_ORDER = ('static', 'no_stage1', 'k2', 'no_queries', 'k1', 'k4', 'oracle', 'faithful')
+# seed: 'no_queries' trains exactly the stage 1 of 'k2' (same config, same seed). 'duda_patches'
+# trains no tokenizer: last, and never the run that builds what the jobs share (`first_run`).
+RUN_ORDER = ('static', 'no_stage1', 'k2', 'no_queries', 'k1', 'k4', 'oracle', 'faithful',
+             'duda_patches')
 SHARED_STAGE1 = {'no_queries': 'k2'}
-PAPER = {  # CLEVR-Change CIDEr from the paper (ablation table and k table)
-    'static': 108.4, 'no_queries': 112.7, 'no_stage1': 106.2, 'k1': 128.5, 'k2': 135.6,
-    'k4': 130.5,
-}
-LABELS = {
-    'static': 'static baseline (no stage 1, no queries)',
-    'no_queries': 'stage 1, no queries',
-    'no_stage1': 'queries without stage 1 (k = 1)',
-    'k1': 'full, k = 1', 'k2': 'full, k = 2 (default)', 'k4': 'full, k = 4',
-    'oracle': 'full, k = 2, oracle keyframes',
-    'faithful': "full, k = 2, the paper presets' stage-1 switches",
-}
-METRICS = ('Bleu_4', 'METEOR', 'ROUGE_L', 'CIDEr')
 # Relative cost of a variant's run (stage 1 + stage 2 + evaluations; k4 encodes 6 frame slots,
-# oracle builds its own feature cache once), measured on the ablation preset; used only to
-# balance the variants between `--jobs` processes.
+# oracle builds its own feature cache once; duda_patches trains stage 2 alone, about 10 minutes
+# to static's 35), measured on the ablation preset; used only to balance the variants between
+# `--jobs` processes.
 COST = {'static': 1.0, 'no_stage1': 1.0, 'no_queries': 1.0, 'k1': 1.9, 'k2': 2.0, 'k4': 2.3,
-        'oracle': 2.4, 'faithful': 1.9}
+        'oracle': 2.4, 'faithful': 1.9, 'duda_patches': 0.3}
 # Each job process runs its matmuls on one thread: on 2 cores two such processes do about 1.3
 # times the work of one process with two threads (small matmuls scale poorly; docs/results.md).
 ONE_THREAD = '--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
@@ -115,12 +109,12 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
       `<root>/tokenizer` and share it).
     tokenizer_per_seed: without `tokenizer_from`, train one tokenizer per seed
       (`<root>/tokenizer_s<seed>`) instead of one for all seeds.
+
+  Returns:
+    The run's results.json dict (with its 'reference_rows') and 'seed', 'distinct_captions'.
   """
-  config = synthetic.get_config(f'{preset},{variant}' if variant != 'k2' else preset)
-  config.seed = seed
-  config.data.data_dir = data_dir or os.path.join(root, 'data')
-  for item in overrides:
-    _apply_override(config, item)
+  config = variant_config(variant, preset, overrides, seed=seed,
+                          data_dir=data_dir or os.path.join(root, 'data'))
   workdir = os.path.join(root, f'{variant}_s{seed}')
   results_path = os.path.join(workdir, 'results.json')
   if os.path.exists(results_path):
@@ -130,13 +124,37 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   if tokenizer_from and not os.path.exists(os.path.join(tokenizer_from, 'DONE')):
     raise errors.UserError(f'--tokenizer_from {tokenizer_from} is not a finished tokenizer stage '
                            '(no DONE file)')
-  _copy_stage(shared_tok, os.path.join(workdir, 'tokenizer'))
+  trains_tokenizer = 'tokenizer' in config.stages  # not duda_patches: no tokenizer to copy
+  if trains_tokenizer:
+    _copy_stage(shared_tok, os.path.join(workdir, 'tokenizer'))
   if variant in SHARED_STAGE1 and 'pretrain' in config.stages:
     _copy_stage(os.path.join(root, f'{SHARED_STAGE1[variant]}_s{seed}', 'pretrain'),
                 os.path.join(workdir, 'pretrain'))
   results = main_lib.run(config, workdir)
-  _copy_stage(os.path.join(workdir, 'tokenizer'), shared_tok)
+  if trains_tokenizer:
+    _copy_stage(os.path.join(workdir, 'tokenizer'), shared_tok)
   return _with_distinct_captions(dict(results), workdir)
+
+
+def variant_config(variant: str, preset: str, overrides: list[str], seed: int = 0,
+                   data_dir: str = ''):
+  """The config of one variant's run: the preset with the variant, `seed`, `data_dir`, then
+  the 'key=json' `overrides`."""
+  config = synthetic.get_config(f'{preset},{variant}' if variant != 'k2' else preset)
+  config.seed = seed
+  config.data.data_dir = data_dir
+  for item in overrides:
+    _apply_override(config, item)
+  return config
+
+
+def first_run(variants: list[str], preset: str, overrides: list[str]) -> str:
+  """The variant whose first-seed run builds what the `--jobs` processes share: the first in
+  RUN_ORDER that trains the tokenizer (it builds the dataset too), else the first (the dataset
+  alone)."""
+  order = [v for v in RUN_ORDER if v in variants]
+  return next((v for v in order if 'tokenizer' in variant_config(v, preset, overrides).stages),
+              order[0])
 
 
 def shared_tokenizer_dir(root: str, seed: int, tokenizer_from: str,
@@ -159,117 +177,6 @@ def _with_distinct_captions(results: dict, workdir: str) -> dict:
     with open(path, encoding='utf-8') as f:
       results['distinct_captions'] = len({p['caption'] for p in json.load(f)})
   return results
-
-
-def _cell(values, scale: float = 100.0) -> str:
-  vals = np.array(values, float) * scale
-  if np.all(np.isnan(vals)):
-    return 'n/a'
-  return f'{np.nanmean(vals):.1f} ± {np.nanstd(vals):.1f}' if len(vals) > 1 else f'{vals[0]:.1f}'
-
-
-# A metric read from runs whose results.json predates it: the older metric with its meaning
-# (the semantic decision counts "no change" as `change_decision` does).
-_OLDER_NAME = {'semantic/decision': 'change_decision'}
-# (column, metric) after METRICS in the main table; semantic scores: procap_jax/semantic_scores.py.
-_TABLE_COLUMNS = (('CIDEr change pairs', 'change/CIDEr'),
-                  ('change / no-change decision %', 'semantic/decision'),
-                  ('change type %', 'semantic/type'),
-                  ('all named attributes %', 'semantic/attributes'),
-                  ('CIDEr no-change', 'no_change/CIDEr'))
-
-
-def _metric(runs: list[dict], name: str) -> list[float]:
-  return [r['metrics'].get(name, r['metrics'].get(_OLDER_NAME.get(name), np.nan)) for r in runs]
-
-
-def table(all_results: dict[str, list[dict]]) -> str:
-  """The main table: one row per variant, mean ± std over seeds (x 100)."""
-  lines = ['| variant | seeds | ' + ' | '.join(METRICS) + ' | ' +
-           ' | '.join(c for c, _ in _TABLE_COLUMNS) + ' | distinct test captions per seed '
-           '| paper CLEVR-Change CIDEr |',
-           '|---' * (len(METRICS) + len(_TABLE_COLUMNS) + 4) + '|']
-  for variant in VARIANTS:
-    runs = all_results.get(variant) or []
-    if not runs:
-      continue
-    cells = [_cell(_metric(runs, m)) for m in METRICS + tuple(m for _, m in _TABLE_COLUMNS)]
-    distinct = ', '.join(str(r.get('distinct_captions', '?')) for r in runs)
-    lines.append(f'| {LABELS[variant]} | {len(runs)} | ' + ' | '.join(cells) +
-                 f' | {distinct} | {PAPER.get(variant, "n/a")} |')
-  return '\n'.join(lines)
-
-
-CHANGE_TYPES = ('none', 'color', 'material', 'add', 'drop', 'move')
-
-
-def by_type(all_results: dict[str, list[dict]]) -> str:
-  """Test CIDEr per change type, mean ± std over seeds (x 100)."""
-  lines = ['| variant | ' + ' | '.join(CHANGE_TYPES) + ' |',
-           '|---' * (len(CHANGE_TYPES) + 1) + '|']
-  for variant in VARIANTS:
-    runs = all_results.get(variant) or []
-    if runs:
-      cells = [_cell(_metric(runs, f'{t}/CIDEr')) for t in CHANGE_TYPES]
-      lines.append(f'| {LABELS[variant]} | ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines)
-
-
-def _by_seed(runs: list[dict], name: str) -> dict[int, float]:
-  return {int(r.get('seed', i)): 100 * float(r['metrics'].get(name, np.nan))
-          for i, r in enumerate(runs)}
-
-
-def goals(all_results: dict[str, list[dict]]) -> str:
-  """Issue 24's goal lines, each stated as met or missed with the measured numbers: the full
-  model's CIDEr, decision and per-type CIDEr, and every ordering as a per-seed difference
-  (full minus the variant, the same seed; mean ± std)."""
-  full = all_results.get('k2') or []
-  if not full:
-    return 'The full model (k2) was not run: no goal can be checked.\n'
-  out = []
-
-  def mean(name):
-    return float(np.nanmean([100 * v for v in _metric(full, name)]))
-
-  cider, decision = mean('CIDEr'), mean('change_decision')
-  out.append(f'- full ProCap test CIDEr >= 120: {"met" if cider >= 120 else "missed"} '
-             f'({cider:.1f})')
-  out.append(f'- change / no-change decision >= 90 %: {"met" if decision >= 90 else "missed"} '
-             f'({decision:.1f} %)')
-  low = {t: mean(f'{t}/CIDEr') for t in CHANGE_TYPES if t != 'none'}
-  worst = min(low, key=low.get)
-  out.append(f'- CIDEr >= 80 on every change type: '
-             f'{"met" if low[worst] >= 80 else "missed"} (lowest: {worst} {low[worst]:.1f})')
-  full_seed = _by_seed(full, 'CIDEr')
-  for variant, margin in (('static', 10.0), ('no_queries', 0.0), ('no_stage1', 0.0),
-                          ('faithful', 0.0)):
-    runs = all_results.get(variant) or []
-    if not runs:
-      continue
-    other = _by_seed(runs, 'CIDEr')
-    diffs = [full_seed[s] - other[s] for s in sorted(set(full_seed) & set(other))]
-    if not diffs:
-      continue
-    d = float(np.mean(diffs))
-    spread = f' ± {np.std(diffs):.1f}' if len(diffs) > 1 else ''
-    want = f'full >= {LABELS[variant]} + {margin:g}' if margin else f'{LABELS[variant]} < full'
-    out.append(f'- {want}: {"holds" if d > margin else "does not hold"} (full minus it: '
-               f'{d:+.1f}{spread} CIDEr over {len(diffs)} seed{"s" * (len(diffs) > 1)})')
-  ks = {v: (all_results.get(v) or []) for v in ('k1', 'k2', 'k4')}
-  if all(ks.values()):
-    values = ', '.join(f'{v[1]} = {np.mean(_metric(r, "CIDEr")) * 100:.1f}'
-                       for v, r in ks.items())
-    best = max(ks, key=lambda v: np.mean(_metric(ks[v], 'CIDEr')))
-    out.append(f'- k sweep (paper: k = 2 best, 128.5 / 135.6 / 130.5): k {values}; best k = '
-               f'{best[1]}')
-  oracle = _by_seed(all_results.get('oracle') or [], 'CIDEr')
-  diffs = [oracle[s] - full_seed[s] for s in sorted(set(full_seed) & set(oracle))]
-  if diffs:
-    spread = f' ± {np.std(diffs):.1f}' if len(diffs) > 1 else ''
-    out.append(f'- oracle keyframes minus flow keyframes (k = 2): {np.mean(diffs):+.1f}{spread} '
-               f'CIDEr over {len(diffs)} seed{"s" * (len(diffs) > 1)}')
-  return '\n'.join(out) + '\n'
 
 
 @errors.exit_on_user_error
@@ -331,10 +238,10 @@ def main(argv=None) -> None:
            'are read back, not retrained)')
   text = (f'### Measured ablations\n\n{how}. Preset `{args.preset}`, overrides '
           f'{args.override or "none"}, seeds {seeds}. Test split, '
-          'checkpoint chosen on val; scores x 100, mean ± std over seeds. The paper column is '
-          'CLEVR-Change, for context only: a different dataset and scale.\n\n'
-          + table(all_results) + '\n\nCIDEr by change type (mean ± std over seeds):\n\n'
-          + by_type(all_results) + '\n\nGoals (issue 24):\n\n' + goals(all_results))
+          'checkpoint chosen on val; scores x 100, mean ± std over seeds. The reference rows are '
+          'captioners that need no model, scored on the same test pairs '
+          '(procap_jax/semantic_scores.py). The paper column is CLEVR-Change, for context only: '
+          'a different dataset and scale.\n\n' + ablation_table.report(all_results))
   errors.write_text_atomic(args.out, merge_into(args.out, text))
   print(text)
 
@@ -343,10 +250,11 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
   """Trains every run in `args.jobs` child processes (this module with --jobs 1 and a subset of
   the variants, all seeds), each on one thread and, where the OS allows, one core; their output
   goes to `<root>/job<i>.log`, and a line per minute here shows where each is. The first run
-  (which builds the dataset and trains the shared tokenizer when missing) runs here first, so no
-  two processes build the same thing."""
-  if not _shared_inputs_ready(args, seeds[0]):
-    first = next(v for v in RUN_ORDER if v in variants)
+  (`first_run`: it builds the dataset and trains the shared tokenizer when missing) runs here
+  first, so no two processes build the same thing."""
+  first = first_run(variants, args.preset, args.override)
+  tokenizer = 'tokenizer' in variant_config(first, args.preset, args.override).stages
+  if not _shared_inputs_ready(args, seeds[0], tokenizer):
     print(f'=== {first} seed {seeds[0]} (before the jobs: builds what they share)', flush=True)
     run_variant(first, seeds[0], args.root, args.preset, args.override, data_dir=args.data_dir,
                 tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed)
@@ -381,14 +289,15 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
     raise errors.UserError(f'ablation job(s) {failed} failed; see {args.root}/job<i>.log')
 
 
-def _shared_inputs_ready(args, seed: int) -> bool:
-  """Whether the dataset is built and the tokenizer the runs share is trained (then the jobs
-  can start at once; else one run here builds them first, so no two processes build the same).
-  With --tokenizer_per_seed only the first seed's tokenizer is built first."""
+def _shared_inputs_ready(args, seed: int, tokenizer: bool = True) -> bool:
+  """Whether the dataset is built and (with `tokenizer`: some run trains one) the tokenizer the
+  runs share is trained (then the jobs can start at once; else one run here builds them first,
+  so no two processes build the same). With --tokenizer_per_seed only the first seed's tokenizer
+  is built first."""
   config = synthetic.get_config(args.preset)
   ddir = args.data_dir or os.path.join(args.root, 'data')
   tok = shared_tokenizer_dir(args.root, seed, args.tokenizer_from, args.tokenizer_per_seed)
-  return (os.path.exists(os.path.join(tok, 'DONE')) and
+  return ((not tokenizer or os.path.exists(os.path.join(tok, 'DONE'))) and
           datasets.is_prepared(config.data.name, config.data.builder_config, ddir))
 
 

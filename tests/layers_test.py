@@ -13,7 +13,8 @@ the layers below; the first prefix that matches a module, longest first, gives i
   data           data/ (vocabulary, BPE, images, datasets, the grain pipeline, and the feature
                  cache, which encodes every frame once with the frozen tokenizer of models/)
   builders       tfds_builders/ (the TFDS builders; they read data/ and procedure/)
-  scores         semantic_scores (the synthetic benchmark's grammar read back; evaluation)
+  scores         semantic_scores (the synthetic benchmark's grammar read back; evaluation),
+                 ablation_table (the ablation table and goal lines from finished runs' results)
   blocks         convert/ (weights of the original in), train (the one training loop), train_log
   tasks          tasks/ (what differs per stage)
   configs        configs/ (one get_config per dataset x stage)
@@ -44,7 +45,7 @@ LAYERS = (
     ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
     ('data', ('procap_jax.data',)),
     ('builders', ('tfds_builders.',)),
-    ('scores', ('procap_jax.semantic_scores',)),
+    ('scores', ('procap_jax.semantic_scores', 'procap_jax.ablation_table')),
     ('blocks', ('procap_jax.convert', 'procap_jax.train', 'procap_jax.train_log')),
     ('tasks', ('procap_jax.tasks',)),
     ('configs', ('configs.',)),
