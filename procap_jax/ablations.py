@@ -14,7 +14,7 @@ and the field's baseline duda_patches (DUDA, Park et al., ICCV 2019, on pixel pa
 scratch: stage 2 alone, no tokenizer).
 Each variant x seed is an ordinary run in `<root>/<variant>_s<seed>` (resumable; finished runs
 are skipped). The preset is `ablation` unless `--preset` says otherwise: the default (the
-`small` dataset and its tokenizer, a small 200-step stage 1 and a 2,000-step stage 2) with a
+`small` dataset and its tokenizer, a small 200-step stage 1 and a 3,000-step stage 2) with a
 smaller report, so the full k = 2 row trains the default (`--report_only` writes the table from
 the finished runs, training nothing).
 The tokenizer does not depend on the variant: one is trained (in `<root>/tokenizer`) and copied
