@@ -2,7 +2,7 @@
 
 Input: {variant: [results of each seed's run]}, each run's results.json (its 'metrics', flat, and
 'reference_rows') with the 'seed' and 'distinct_captions' the runner adds. Scores are x 100,
-mean ± std (population std) over the seeds.
+mean ± std over the seeds (the sample std, n - 1, as the docs' hand-made tables).
 """
 
 import numpy as np
@@ -49,7 +49,9 @@ def _cell(values, scale: float = 100.0) -> str:
   vals = np.array(values, float) * scale
   if np.all(np.isnan(vals)):
     return 'n/a'
-  return f'{np.nanmean(vals):.1f} ± {np.nanstd(vals):.1f}' if len(vals) > 1 else f'{vals[0]:.1f}'
+  if len(vals) == 1:
+    return f'{vals[0]:.1f}'
+  return f'{np.nanmean(vals):.1f} ± {np.nanstd(vals, ddof=1):.1f}'
 
 
 def _metric(runs: list[dict], name: str) -> list[float]:
@@ -128,7 +130,7 @@ def _diffs(full: list[dict], runs: list[dict], name: str) -> list[float]:
 
 
 def _over_seeds(diffs: list[float], unit: str) -> str:
-  spread = f' ± {np.std(diffs):.1f}' if len(diffs) > 1 else ''
+  spread = f' ± {np.std(diffs, ddof=1):.1f}' if len(diffs) > 1 else ''
   return (f'{np.mean(diffs):+.1f}{spread}{unit} over {len(diffs)} '
           f'seed{"s" * (len(diffs) > 1)}')
 
@@ -172,7 +174,7 @@ def goals(all_results: dict[str, list[dict]]) -> str:
   diffs = _diffs(full, all_results.get('static') or [], 'change/CIDEr')
   if diffs:
     spread = [v for v in _by_seed(full, 'change/CIDEr').values() if not np.isnan(v)]
-    twice = 2 * float(np.std(spread))
+    twice = 2 * float(np.std(spread, ddof=1)) if len(spread) > 1 else 0.0
     out.append(f'- full >= {LABELS["static"]} on change-pair CIDEr by more than twice the '
                f"seeds' spread: {'holds' if np.mean(diffs) > twice else 'does not hold'} "
                f'(full minus it: {_over_seeds(diffs, " CIDEr")}; 2 x the std of full over its '
