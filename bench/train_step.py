@@ -43,7 +43,6 @@ one with the peak RSS of the process (which covers all of them), e.g.
 """
 
 import argparse
-import ast
 import importlib
 import itertools
 import os
@@ -54,6 +53,7 @@ import numpy as np
 
 from bench import common
 from procap_jax import config_lib
+from procap_jax import errors
 from procap_jax import hostmem
 from procap_jax import sharding
 from procap_jax import train
@@ -63,22 +63,16 @@ STAGES = ('tokenizer', 'pretrain', 'caption')
 
 
 def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()):
-  """`file.py[:preset]` -> ConfigDict, with `key.sub=value` overrides applied and 'auto' bf16
+  """`file.py[:preset]` -> ConfigDict, with `key.sub=value` overrides applied (an unknown key, a
+  wrong type or an inconsistent config is a UserError, as in main) and 'auto' bf16
   switches resolved for this CPU (`config_lib.resolve_compute_path`; a bench's `--dtype` then
   sets config.compute_dtype, so 'auto' decides `tokenizer.frozen_dtype` there)."""
   path, _, arg = spec.partition(':')
   module = importlib.import_module(path.removesuffix('.py').replace('/', '.'))
   config = module.get_config(arg or None)
   for item in overrides:
-    key, _, value = item.partition('=')
-    node = config
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    try:
-      node[leaf] = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      node[leaf] = value
+    config_lib.apply_override(config, item)
+  config_lib.validate(config)
   config_lib.resolve_compute_path(config)
   return config
 
@@ -306,6 +300,7 @@ def _unlooped_flops(config_spec: str, stage: str, batch_size: int, dtype: str,
   return common.compiled_flops(step.lower(state, batch, constants, rng).compile())
 
 
+@errors.exit_on_user_error
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', default='configs/synthetic.py:tiny')

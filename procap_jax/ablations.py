@@ -36,6 +36,7 @@ import time
 
 from configs import synthetic
 from procap_jax import ablation_table
+from procap_jax import config_lib
 from procap_jax import errors
 from procap_jax import main as main_lib
 from procap_jax.data import datasets
@@ -74,16 +75,6 @@ def job_groups(variants: list[str], jobs: int) -> list[list[str]]:
       i = next(i for i, g in enumerate(groups) if src in g)
       groups[i].append(v)
   return [[v for v in RUN_ORDER if v in g] for g in groups if g]
-
-
-def _apply_override(config, item: str) -> None:
-  key, _, value = item.partition('=')
-  node = config
-  parts = key.split('.')
-  for p in parts[:-1]:
-    node = node[p]
-  old = node[parts[-1]]
-  node[parts[-1]] = type(old)(json.loads(value)) if not isinstance(old, str) else value
 
 
 def _copy_stage(src: str, dst: str) -> None:
@@ -144,7 +135,7 @@ def variant_config(variant: str, preset: str, overrides: list[str], seed: int = 
   config.seed = seed
   config.data.data_dir = data_dir
   for item in overrides:
-    _apply_override(config, item)
+    config_lib.apply_override(config, item)
   return config
 
 

@@ -5,6 +5,7 @@ The config files in `configs/` are the schema; `ml_collections` already rejects 
 (the encoder's token grid must match the tokenizer's, and so on).
 """
 
+import ast
 import json
 import os
 from typing import Any
@@ -125,6 +126,30 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0 <= pt.decay_steps <= pt.steps:
     raise errors.UserError(f'config.pretrain.train.decay_steps is {pt.decay_steps}; it must be '
                            f'between 0 (no decay) and the {pt.steps} training steps')
+
+
+def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
+  """Sets 'key.sub=value' in `config` (value: JSON or a Python literal; a str entry takes the
+  text as written), in place; an unknown key or a value of the wrong type is a UserError."""
+  key, sep, text = item.partition('=')
+  *parents, leaf = key.split('.')
+  node = config
+  for part in parents + [leaf]:
+    if not sep or not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise errors.UserError(f'override {item!r}: config has no key {key!r} (write key.sub=value)')
+    node = node[part] if part != leaf else node
+  value = text
+  for parse in () if isinstance(node[leaf], str) else (json.loads, ast.literal_eval):
+    try:
+      value = parse(text)
+      break
+    except (ValueError, SyntaxError):
+      pass
+  try:
+    node[leaf] = value
+  except (TypeError, ValueError) as e:
+    raise errors.UserError(f'override {item!r}: config.{key} must be of type '
+                           f'{type(node[leaf]).__name__}, not {value!r}') from e
 
 
 # The bf16 switches: 'auto' is resolved once at start-up (`resolve_compute_path`).

@@ -135,6 +135,47 @@ def test_unknown_override_key_exits_nonzero(tmp_path):
   assert 'Traceback' not in proc.stderr
 
 
+def test_apply_override_parses_values_by_the_entrys_type():
+  config = synthetic.get_config('tiny')
+  for item in ('caption.train.steps=7', 'caption.train.change_loss=2', 'data.data_dir=a/b',
+               'compute_dtype=bfloat16', 'pretrain.model.grid=[8, 8]',
+               'caption.train.scene_pairs=true'):
+    config_lib.apply_override(config, item)
+  assert config.caption.train.steps == 7
+  assert config.caption.train.change_loss == 2.0
+  assert isinstance(config.caption.train.change_loss, float)
+  assert config.data.data_dir == 'a/b' and config.compute_dtype == 'bfloat16'
+  assert tuple(config.pretrain.model.grid) == (8, 8) and config.caption.train.scene_pairs is True
+
+
+@pytest.mark.parametrize('item, match', [
+    ('caption.train.stepz=3', "no key 'caption.train.stepz'"),
+    ('caption.train.steps.x=1', "no key 'caption.train.steps.x'"),
+    ('caption.train.steps', 'no key'),
+    ('caption.train.steps=x', 'must be of type int'),
+    ('caption.train.steps=2.5', 'must be of type int'),
+])
+def test_apply_override_rejects_unknown_keys_and_wrong_types(item, match):
+  config = synthetic.get_config('tiny')
+  with pytest.raises(errors.UserError, match=match):
+    config_lib.apply_override(config, item)
+  assert config.caption.train.steps == synthetic.get_config('tiny').caption.train.steps
+
+
+@pytest.mark.parametrize('command', [
+    ['procap_jax.ablations', '--root', '{tmp}', '--variants', 'static', '--seeds', '0',
+     '--preset', 'tiny', '--override', 'caption.train.no_such_key=3', '--out', '{tmp}/t.md'],
+    ['bench.train_step', '--config', 'configs/synthetic.py:tiny', '--stage', 'caption',
+     '--set', 'caption.train.no_such_key=3'],
+])
+def test_commands_with_overrides_reject_an_unknown_key_in_one_sentence(tmp_path, command):
+  proc = subprocess.run([sys.executable, '-m'] + [a.format(tmp=tmp_path) for a in command],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert 'no_such_key' in proc.stderr and 'Traceback' not in proc.stderr
+  assert not (tmp_path / 'static_s0').exists() and not (tmp_path / 't.md').exists()
+
+
 def test_checkpoint_config_check_names_differences_and_accepts_newer_entries():
   """A checkpoint saved before an entry was added to the schema still restores; a changed model
   entry is named; memory-only entries (remat, scan_blocks, scan_keep_dense, attention_chunk,
