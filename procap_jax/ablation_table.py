@@ -54,7 +54,8 @@ def _cell(values, scale: float = 100.0) -> str:
   return f'{np.nanmean(vals):.1f} ± {np.nanstd(vals, ddof=1):.1f}'
 
 
-def _metric(runs: list[dict], name: str) -> list[float]:
+def metric_values(runs: list[dict], name: str) -> list[float]:
+  """Each run's metric `name` (x 1, NaN where a run has none)."""
   return [r['metrics'].get(name, r['metrics'].get(_OLDER_NAME.get(name), np.nan)) for r in runs]
 
 
@@ -80,12 +81,12 @@ def table(all_results: dict[str, list[dict]]) -> str:
     runs = all_results.get(variant) or []
     if not runs:
       continue
-    cells = [_cell(_metric(runs, m)) for m in names]
+    cells = [_cell(metric_values(runs, m)) for m in names]
     distinct = ', '.join(str(r.get('distinct_captions', '?')) for r in runs)
     lines.append(f'| {LABELS[variant]} | {len(runs)} | ' + ' | '.join(cells) +
                  f' | {distinct} | {PAPER.get(variant, "n/a")} |')
   for name, row in reference_rows(all_results).items():
-    cells = [_cell(_metric([row], m)) for m in names]
+    cells = [_cell(metric_values([row], m)) for m in names]
     label = row.get('captioner', name).replace('|', '\\|')
     lines.append(f'| reference: {label} | - | ' + ' | '.join(cells) +
                  f' | {_REFERENCE_DISTINCT.get(name, "-")} | - |')
@@ -100,7 +101,7 @@ def by_type(all_results: dict[str, list[dict]], metric: str = '{}/CIDEr',
   for variant in VARIANTS:
     runs = all_results.get(variant) or []
     if runs:
-      cells = [_cell(_metric(runs, metric.format(t))) for t in types]
+      cells = [_cell(metric_values(runs, metric.format(t))) for t in types]
       lines.append(f'| {LABELS[variant]} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
@@ -115,11 +116,12 @@ def report(all_results: dict[str, list[dict]]) -> str:
 
 
 def _by_seed(runs: list[dict], name: str) -> dict[int, float]:
-  return {int(r.get('seed', i)): 100 * float(_metric([r], name)[0]) for i, r in enumerate(runs)}
+  return {int(r.get('seed', i)): 100 * float(metric_values([r], name)[0])
+          for i, r in enumerate(runs)}
 
 
 def _mean(runs: list[dict], name: str) -> float:
-  vals = [100 * float(v) for v in _metric(runs, name) if not np.isnan(v)]
+  vals = [100 * float(v) for v in metric_values(runs, name) if not np.isnan(v)]
   return float(np.mean(vals)) if vals else float('nan')
 
 

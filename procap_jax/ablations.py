@@ -35,6 +35,7 @@ import sys
 import time
 
 from configs import synthetic
+from procap_jax import ablation_plot
 from procap_jax import ablation_table
 from procap_jax import config_lib
 from procap_jax import errors
@@ -195,6 +196,8 @@ def main(argv=None) -> None:
                       'name the missing ones')
   parser.add_argument('--core', type=int, default=-1, help=argparse.SUPPRESS)  # set by --jobs
   parser.add_argument('--out', default='docs/results.md')
+  parser.add_argument('--figure', default='',
+                      help='the table as a picture (PNG; default ablations.png beside --out)')
   args = parser.parse_args(argv)
   if args.core >= 0 and hasattr(os, 'sched_setaffinity'):
     os.sched_setaffinity(0, {args.core})
@@ -227,12 +230,17 @@ def main(argv=None) -> None:
   else:
     how = (f'Measured with `{command}` (this call took {minutes:.0f} min; runs already finished '
            'are read back, not retrained)')
+  figure = args.figure or os.path.join(os.path.dirname(args.out), 'ablations.png')
+  picture = ''
+  if ablation_plot.plot(all_results, figure):
+    link = os.path.relpath(figure, os.path.dirname(os.path.abspath(args.out)))
+    picture = f'![The table as a picture: a bar per variant and score]({link})\n\n'
   text = (f'### Measured ablations\n\n{how}. Preset `{args.preset}`, overrides '
           f'{args.override or "none"}, seeds {seeds}. Test split, '
           'checkpoint chosen on val; scores x 100, mean ± std over seeds. The reference rows are '
           'captioners that need no model, scored on the same test pairs '
           '(procap_jax/semantic_scores.py). The paper column is CLEVR-Change, for context only: '
-          'a different dataset and scale.\n\n' + ablation_table.report(all_results))
+          'a different dataset and scale.\n\n' + picture + ablation_table.report(all_results))
   errors.write_text_atomic(args.out, merge_into(args.out, text))
   print(text)
 
@@ -258,7 +266,8 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
   for i, group in enumerate(job_groups(variants, args.jobs)):
     log = os.path.join(args.root, f'job{i}.log')
     cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--variants', ','.join(group),
-           '--out', os.path.join(args.root, f'job{i}.md')]
+           '--out', os.path.join(args.root, f'job{i}.md'),
+           '--figure', os.path.join(args.root, f'job{i}.png')]
     if len(cores) >= args.jobs:
       cmd += ['--core', str(cores[i % len(cores)])]
     print(f'job {i}: {", ".join(group)} (log {log})', flush=True)
@@ -295,7 +304,7 @@ def _shared_inputs_ready(args, seed: int, tokenizer: bool = True) -> bool:
 def child_argv(argv: list[str]) -> list[str]:
   """`argv` without the options the parent sets per job (--jobs, --variants, --out, --core),
   in either the '--flag value' or the '--flag=value' form."""
-  keep, skip = [], ('--jobs', '--variants', '--out', '--core')
+  keep, skip = [], ('--jobs', '--variants', '--out', '--figure', '--core')
   it = iter(argv)
   for a in it:
     if a in skip:

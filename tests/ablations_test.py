@@ -6,8 +6,10 @@ import json
 import os
 import re
 
+import PIL.Image
 import pytest
 
+from procap_jax import ablation_plot
 from procap_jax import ablation_table
 from procap_jax import ablations
 
@@ -204,7 +206,7 @@ def test_job_groups_balance_cost_and_keep_shared_stage1_together():
 
 def test_child_argv_drops_the_per_job_options_in_both_forms():
   argv = ['--root', 'R', '--jobs', '2', '--variants=k2,k4', '--out', 'x.md', '--seeds', '0,1',
-          '--override', 'caption.train.steps=5', '--core=1']
+          '--override', 'caption.train.steps=5', '--core=1', '--figure=x.png']
   assert ablations.child_argv(argv) == ['--root', 'R', '--seeds', '0,1', '--override',
                                         'caption.train.steps=5']
 
@@ -280,6 +282,9 @@ def test_report_only_reads_finished_runs_and_names_the_missing(tmp_path):
              for r in text.splitlines())
   assert 'Goals (full ProCap, k = 2; mean of the seeds):' in text
   assert not (root / 'static_s1').exists()  # nothing trained
+  assert '![The table as a picture' in text and '(ablations.png)' in text
+  with PIL.Image.open(tmp_path / 'ablations.png') as im:
+    assert im.format == 'PNG' and im.width > im.height
 
 
 def test_semantic_columns_beside_cider():
@@ -294,3 +299,18 @@ def test_semantic_columns_beside_cider():
   assert got['change / no-change decision %'] == '80.0 ± 14.1'
   assert got['change type %'] == '70.0 ± 14.1' and got['all named attributes %'] == '40.0 ± 14.1'
   assert got['new colour right %'] == '30.0 ± 14.1'
+
+
+def test_figure_scores_are_the_tables_seeds_in_its_order_and_nothing_is_drawn_without_runs(
+    tmp_path):
+  nan = float('nan')
+  runs = {'k2': [_run(0.5, 1.2, decision=0.9), _run(0.5, nan, seed=1), _run(0.5, 1.0, seed=2)],
+          'static': [_run(0.4, 0.8)], 'k4': []}
+  assert ablation_plot.seed_scores(runs, 'change/CIDEr') == {'static': [80.0],
+                                                              'k2': [120.0, 100.0]}
+  # A run whose results predate the semantic decision is drawn with its change_decision.
+  assert ablation_plot.seed_scores(runs, 'semantic/decision')['k2'] == [90.0, 50.0, 50.0]
+  assert not ablation_plot.plot({'k2': []}, str(tmp_path / 'none.png'))
+  assert not (tmp_path / 'none.png').exists()
+  assert ablation_plot.plot(runs, str(tmp_path / 'some.png'))
+  assert (tmp_path / 'some.png').stat().st_size > 1000

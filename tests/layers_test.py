@@ -14,7 +14,8 @@ the layers below; the first prefix that matches a module, longest first, gives i
                  cache, which encodes every frame once with the frozen tokenizer of models/)
   builders       tfds_builders/ (the TFDS builders; they read data/ and procedure/)
   scores         semantic_scores (the synthetic benchmark's grammar read back; evaluation),
-                 ablation_table (the ablation table and goal lines from finished runs' results)
+                 ablation_table (the ablation table and goal lines from finished runs' results),
+                 ablation_plot (the same as a picture)
   blocks         convert/ (weights of the original in), train (the one training loop), train_log
   tasks          tasks/ (what differs per stage)
   configs        configs/ (one get_config per dataset x stage)
@@ -45,7 +46,8 @@ LAYERS = (
     ('models', ('procap_jax.models', 'procap_jax.diagnostics.stand_ins')),
     ('data', ('procap_jax.data',)),
     ('builders', ('tfds_builders.',)),
-    ('scores', ('procap_jax.semantic_scores', 'procap_jax.ablation_table')),
+    ('scores', ('procap_jax.semantic_scores', 'procap_jax.ablation_table',
+                'procap_jax.ablation_plot')),
     ('blocks', ('procap_jax.convert', 'procap_jax.train', 'procap_jax.train_log')),
     ('tasks', ('procap_jax.tasks',)),
     ('configs', ('configs.',)),
