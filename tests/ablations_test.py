@@ -314,3 +314,18 @@ def test_figure_scores_are_the_tables_seeds_in_its_order_and_nothing_is_drawn_wi
   assert not (tmp_path / 'none.png').exists()
   assert ablation_plot.plot(runs, str(tmp_path / 'some.png'))
   assert (tmp_path / 'some.png').stat().st_size > 1000
+
+
+def test_runs_go_variant_by_variant_with_the_full_model_first(tmp_path, monkeypatch):
+  calls = []
+
+  def fake_run_variant(variant, seed, *args, **kwargs):
+    calls.append((variant, seed))
+    return _run(0.5, 0.5, seed=seed)
+
+  monkeypatch.setattr(ablations, 'run_variant', fake_run_variant)
+  monkeypatch.setattr(ablation_plot, 'plot', lambda *a: False)
+  ablations.main(['--root', str(tmp_path), '--seeds', '0,1', '--variants', 'static,no_queries,k2',
+                  '--out', str(tmp_path / 'r.md')])
+  assert calls == [('k2', 0), ('k2', 1), ('no_queries', 0), ('no_queries', 1), ('static', 0),
+                   ('static', 1)]
