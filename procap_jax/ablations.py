@@ -51,33 +51,9 @@ VARIANTS = ablation_table.VARIANTS
 RUN_ORDER = ('k2', 'no_queries', 'static', 'no_stage1', 'k1', 'k4', 'oracle', 'faithful',
              'duda_patches')
 SHARED_STAGE1 = {'no_queries': 'k2'}
-# Relative cost of a variant's run (stage 1 + stage 2 + evaluations; k4 encodes 6 frame slots,
-# oracle builds its own feature cache once; duda_patches trains stage 2 alone, about 10 minutes
-# to static's 35), measured on the ablation preset; used only to balance the variants between
-# `--jobs` processes.
-COST = {'static': 1.0, 'no_stage1': 1.0, 'no_queries': 1.0, 'k1': 1.9, 'k2': 2.0, 'k4': 2.3,
-        'oracle': 2.4, 'faithful': 1.9, 'duda_patches': 0.3}
 # Each job process runs its matmuls on one thread: on 2 cores two such processes do about 1.3
 # times the work of one process with two threads (small matmuls scale poorly; docs/results.md).
 ONE_THREAD = '--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
-
-
-def job_groups(variants: list[str], jobs: int) -> list[list[str]]:
-  """Splits `variants` into at most `jobs` groups of about equal COST (longest first, each to
-  the lightest group); a variant that reuses another's stage 1 goes with it. Each group keeps
-  RUN_ORDER."""
-  groups = [[] for _ in range(max(1, min(jobs, len(variants))))]
-  load = [0.0] * len(groups)
-  followers = {v: src for v, src in SHARED_STAGE1.items() if src in variants}
-  for v in sorted((v for v in variants if v not in followers), key=lambda v: -COST[v]):
-    i = load.index(min(load))
-    groups[i].append(v)
-    load[i] += COST[v]
-  for v, src in followers.items():
-    if v in variants:
-      i = next(i for i, g in enumerate(groups) if src in g)
-      groups[i].append(v)
-  return [[v for v in RUN_ORDER if v in g] for g in groups if g]
 
 
 def _copy_stage(src: str, dst: str) -> None:
@@ -189,10 +165,10 @@ def main(argv=None) -> None:
   parser.add_argument('--tokenizer_per_seed', action='store_true',
                       help='train one tokenizer per seed instead of one for all seeds')
   parser.add_argument('--override', action='append', default=[],
-                      help='config override key=value (JSON value), repeatable')
+                      help='config override key=value (JSON or Python literal), repeatable')
   parser.add_argument('--jobs', type=int, default=1,
-                      help='run the variants in this many processes at once, one thread each '
-                      '(2 on a 2-core machine: about 1.3 times the throughput)')
+                      help='this many runs at once, each in its own one-thread process (2 on a '
+                      '2-core machine: about 1.3 times the throughput)')
   parser.add_argument('--report_only', action='store_true',
                       help='train nothing: write the table from the runs already finished and '
                       'name the missing ones')
@@ -247,12 +223,27 @@ def main(argv=None) -> None:
   print(text)
 
 
-def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> None:
-  """Trains every run in `args.jobs` child processes (this module with --jobs 1 and a subset of
-  the variants, all seeds), each on one thread and, where the OS allows, one core; their output
-  goes to `<root>/job<i>.log`, and a line per minute here shows where each is. The first run
-  (`first_run`: it builds the dataset and trains the shared tokenizer when missing) runs here
-  first, so no two processes build the same thing."""
+def tasks(variants: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+  """Every (variant, seed) run, in RUN_ORDER, every seed of a variant before the next."""
+  return [(v, seed) for v in RUN_ORDER if v in variants for seed in seeds]
+
+
+def _prerequisite(task: tuple[str, int], queued: set) -> tuple[str, int] | None:
+  """The run whose stage 1 `task` copies (SHARED_STAGE1, same seed), if it is one of `queued`."""
+  source = (SHARED_STAGE1.get(task[0]), task[1])
+  return source if source in queued else None
+
+
+def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
+              spawn=subprocess.Popen, poll_seconds: float = 1.0) -> None:
+  """Trains every run in at most `args.jobs` child processes at a time, one run each (this
+  module with --jobs 1, one variant and one seed), each on one thread and, where the OS allows,
+  one core. A freed job takes the next run in `tasks` order whose stage-1 source has finished,
+  so the full model's seeds run first and side by side, and the jobs stay busy to the end. A run
+  that has its results.json is read back, not started again. Each run's output goes to
+  `<root>/<variant>_s<seed>.log`, and a line per minute here shows where each job is. The first
+  run (`first_run`: it builds the dataset and trains the shared tokenizer when missing) runs
+  here first, so no two processes build the same thing. `spawn` and `poll_seconds`: for tests."""
   first = first_run(variants, args.preset, args.override)
   tokenizer = 'tokenizer' in variant_config(first, args.preset, args.override).stages
   if not _shared_inputs_ready(args, seeds[0], tokenizer):
@@ -264,31 +255,45 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str]) -> N
       f for f in (os.environ.get('XLA_FLAGS', ''), ONE_THREAD) if f))
   cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
   os.makedirs(args.root, exist_ok=True)
-  procs = []
-  for i, group in enumerate(job_groups(variants, args.jobs)):
-    log = os.path.join(args.root, f'job{i}.log')
-    cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--variants', ','.join(group),
-           '--out', os.path.join(args.root, f'job{i}.md'),
-           '--figure', os.path.join(args.root, f'job{i}.png')]
-    if len(cores) >= args.jobs:
-      cmd += ['--core', str(cores[i % len(cores)])]
-    print(f'job {i}: {", ".join(group)} (log {log})', flush=True)
-    with open(log, 'a', encoding='utf-8') as f:
-      procs.append((i, log, subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)))
-  # Polled every second, so the call returns as soon as the last job ends (a tiny run's jobs take
-  # about a minute); the status line still comes once a minute.
+  queued = set(tasks(variants, seeds))
+  todo, finished, failed, running = tasks(variants, seeds), set(), [], {}
   last = time.time()
-  while any(p.poll() is None for _, _, p in procs):
-    time.sleep(1)
-    if time.time() - last < 60:
+  while todo or running:
+    for slot, (task, log, proc) in list(running.items()):
+      if proc.poll() is not None:
+        del running[slot]
+        finished.add(task)
+        if proc.returncode:
+          failed.append(f'{task[0]} seed {task[1]} (log {log})')
+        print(f'job {slot}: {task[0]} seed {task[1]} '
+              f'{"failed" if proc.returncode else "finished"}', flush=True)
+    for task in [t for t in todo if os.path.exists(
+        os.path.join(args.root, f'{t[0]}_s{t[1]}', 'results.json'))]:
+      todo.remove(task)
+      finished.add(task)
+    for slot in [i for i in range(args.jobs) if i not in running]:
+      task = next((t for t in todo if _prerequisite(t, queued) in (None, *finished)), None)
+      if task is None:
+        break
+      todo.remove(task)
+      log = os.path.join(args.root, f'{task[0]}_s{task[1]}.log')
+      cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--variants', task[0],
+             '--seeds', str(task[1]), '--out', os.path.join(args.root, f'job{slot}.md'),
+             '--figure', os.path.join(args.root, f'job{slot}.png')]
+      if len(cores) >= args.jobs:
+        cmd += ['--core', str(cores[slot % len(cores)])]
+      print(f'job {slot}: {task[0]} seed {task[1]} (log {log})', flush=True)
+      with open(log, 'a', encoding='utf-8') as f:
+        running[slot] = (task, log, spawn(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+    if not running:
       continue
-    last = time.time()
-    for i, log, p in procs:
-      print(f'job {i}: {"running" if p.poll() is None else "done"}: {_last_line(log)}',
-            flush=True)
-  failed = [i for i, _, p in procs if p.returncode]
+    time.sleep(poll_seconds)
+    if time.time() - last >= 60:
+      last = time.time()
+      for slot, (task, log, _) in sorted(running.items()):
+        print(f'job {slot}: {task[0]} seed {task[1]}: {_last_line(log)}', flush=True)
   if failed:
-    raise errors.UserError(f'ablation job(s) {failed} failed; see {args.root}/job<i>.log')
+    raise errors.UserError(f'ablation run(s) failed: {"; ".join(failed)}')
 
 
 def _shared_inputs_ready(args, seed: int, tokenizer: bool = True) -> bool:
@@ -304,9 +309,9 @@ def _shared_inputs_ready(args, seed: int, tokenizer: bool = True) -> bool:
 
 
 def child_argv(argv: list[str]) -> list[str]:
-  """`argv` without the options the parent sets per job (--jobs, --variants, --out, --core),
-  in either the '--flag value' or the '--flag=value' form."""
-  keep, skip = [], ('--jobs', '--variants', '--out', '--figure', '--core')
+  """`argv` without the options the parent sets per job (--jobs, --variants, --seeds, --out,
+  --figure, --core), in either the '--flag value' or the '--flag=value' form."""
+  keep, skip = [], ('--jobs', '--variants', '--seeds', '--out', '--figure', '--core')
   it = iter(argv)
   for a in it:
     if a in skip:

@@ -12,6 +12,7 @@ import pytest
 from procap_jax import ablation_plot
 from procap_jax import ablation_table
 from procap_jax import ablations
+from procap_jax import errors
 
 
 def _run(cider, change, seed=0, decision=0.5, **semantic):
@@ -69,7 +70,6 @@ def test_no_queries_reuses_the_stage1_of_k2_which_runs_first():
   for variant, source in ablations.SHARED_STAGE1.items():
     assert ablations.RUN_ORDER.index(source) < ablations.RUN_ORDER.index(variant)
   assert sorted(ablations.RUN_ORDER) == sorted(ablations.VARIANTS)
-  assert sorted(ablations.COST) == sorted(ablations.VARIANTS)
   assert sorted(ablation_table.LABELS) == sorted(ablations.VARIANTS)
 
 
@@ -192,23 +192,68 @@ def test_reference_rows_follow_the_variants_with_their_numbers():
   assert 'reference:' not in ablation_table.table({'k2': [_run(1.0, 1.0)]})
 
 
-def test_job_groups_balance_cost_and_keep_shared_stage1_together():
-  groups = ablations.job_groups(list(ablations.VARIANTS), 2)
-  assert sorted(v for g in groups for v in g) == sorted(ablations.VARIANTS)
-  loads = [sum(ablations.COST[v] for v in g) for g in groups]
-  assert max(loads) - min(loads) <= max(ablations.COST.values())
-  for variant, source in ablations.SHARED_STAGE1.items():
-    group = next(g for g in groups if variant in g)
-    assert source in group and group.index(source) < group.index(variant)
-  assert ablations.job_groups(['k2', 'no_queries'], 2) == [['k2', 'no_queries']]
-  assert ablations.job_groups(['static', 'k4'], 1) == [['static', 'k4']]
+class _FakeProc:
+  """A child process that ends after `polls` polls with `code`, and records what it ran."""
+
+  def __init__(self, cmd, log, events, polls=2, code=0):
+    self.cmd, self.events, self.polls, self.code, self.returncode = cmd, events, polls, code, None
+    self.task = (cmd[cmd.index('--variants') + 1], int(cmd[cmd.index('--seeds') + 1]))
+    events.append(('start', self.task))
+    log.write('=== started\n')
+
+  def poll(self):
+    self.polls -= 1
+    if self.polls <= 0 and self.returncode is None:
+      self.returncode = self.code
+      self.events.append(('end', self.task))
+    return self.returncode
+
+
+def test_jobs_take_runs_in_order_and_a_follower_waits_for_its_stage1_source(tmp_path,
+                                                                            monkeypatch):
+  monkeypatch.setattr(ablations, '_shared_inputs_ready', lambda *a, **k: True)
+  (tmp_path / 'static_s1').mkdir()
+  (tmp_path / 'static_s1' / 'results.json').write_text('{}')  # finished: not started again
+  events, running = [], []
+
+  def spawn(cmd, stdout, stderr, env):
+    assert '--xla_cpu_multi_thread_eigen=false' in env['XLA_FLAGS']
+    proc = _FakeProc(cmd, stdout, events, polls=3 if '0' == cmd[cmd.index('--seeds') + 1] else 1)
+    running.append(proc)
+    assert sum(p.returncode is None for p in running) <= 2
+    return proc
+
+  args = argparse.Namespace(root=str(tmp_path), preset='ablation', override=[], data_dir='',
+                            tokenizer_from='', tokenizer_per_seed=False, jobs=2)
+  ablations._run_jobs(args, ['--root', str(tmp_path), '--seeds', '0,1', '--jobs', '2'], [0, 1],
+                      ['static', 'no_queries', 'k2'], spawn=spawn, poll_seconds=0)
+  starts = [t for kind, t in events if kind == 'start']
+  assert starts[:2] == [('k2', 0), ('k2', 1)]  # the full model's seeds first, side by side
+  assert sorted(starts) == sorted([('k2', 0), ('k2', 1), ('no_queries', 0), ('no_queries', 1),
+                                   ('static', 0)])
+  for seed in (0, 1):  # no_queries copies k2's stage 1 of its seed: only after that run ended
+    assert events.index(('end', ('k2', seed))) < events.index(('start', ('no_queries', seed)))
+  # k2 seed 0 runs longer, so the job k2 seed 1 freed went on with the next run it could start.
+  assert events.index(('start', ('static', 0))) < events.index(('end', ('k2', 0)))
+  assert (tmp_path / 'k2_s1.log').read_text().startswith('=== started')
+
+
+def test_a_failed_run_fails_the_call_after_the_others_ran(tmp_path, monkeypatch):
+  monkeypatch.setattr(ablations, '_shared_inputs_ready', lambda *a, **k: True)
+  events = []
+  spawn = lambda cmd, stdout, stderr, env: _FakeProc(  # noqa: E731
+      cmd, stdout, events, code=int('static' in cmd))
+  args = argparse.Namespace(root=str(tmp_path), preset='ablation', override=[], data_dir='',
+                            tokenizer_from='', tokenizer_per_seed=False, jobs=2)
+  with pytest.raises(errors.UserError, match=r'failed: static seed 0 \(log .*static_s0.log'):
+    ablations._run_jobs(args, [], [0], ['static', 'k1', 'k4'], spawn=spawn, poll_seconds=0)
+  assert sorted(t for kind, t in events if kind == 'end') == [('k1', 0), ('k4', 0), ('static', 0)]
 
 
 def test_child_argv_drops_the_per_job_options_in_both_forms():
   argv = ['--root', 'R', '--jobs', '2', '--variants=k2,k4', '--out', 'x.md', '--seeds', '0,1',
           '--override', 'caption.train.steps=5', '--core=1', '--figure=x.png']
-  assert ablations.child_argv(argv) == ['--root', 'R', '--seeds', '0,1', '--override',
-                                        'caption.train.steps=5']
+  assert ablations.child_argv(argv) == ['--root', 'R', '--override', 'caption.train.steps=5']
 
 
 def test_duda_run_copies_no_tokenizer_and_returns_the_reference_rows(tmp_path, monkeypatch):

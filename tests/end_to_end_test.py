@@ -318,7 +318,8 @@ def test_probe_inputs_read_the_stage1_encoder_and_the_decoder_memory(finished_ru
 def test_ablation_runner_with_two_jobs_fills_the_table(finished_run, tiny_data_dir, tmp_path,
                                                        capsys):
   """`python -m procap_jax.ablations --jobs 2` on the tiny preset: the first run in the parent,
-  the rest in two child processes, every run's results read back into the table."""
+  the rest in child processes (at most two at a time, one run each), every run's results read
+  back into the table."""
   from procap_jax import ablations
   _, workdir, _ = finished_run
   root, out = tmp_path / 'abl', tmp_path / 'results.md'
@@ -336,7 +337,7 @@ def test_ablation_runner_with_two_jobs_fills_the_table(finished_run, tiny_data_d
       assert 'CIDEr' in json.load(f)['metrics']
     with open(root / f'{variant}_s0' / 'caption' / 'DONE', encoding='utf-8') as f:
       assert json.load(f)['steps'] == 2  # the override reached the child process
-  assert (root / 'job0.log').exists() and (root / 'job1.log').exists()
+  assert (root / 'static_s0.log').exists() and (root / 'no_stage1_s0.log').exists()
   text = out.read_text()
   for label in ('static baseline', 'queries without stage 1'):
     assert any(line.startswith(f'| {label}') and '| 1 |' in line for line in text.splitlines())
