@@ -324,6 +324,7 @@ def main():
                       metavar='NAME:KEY=VALUE,KEY=VALUE',
                       help='time these named override sets in turns in one process')
   args = parser.parse_args()
+  load_config(args.config, args.set)  # a bad config or override: one sentence, before any child
   stages = STAGES if args.stage == 'all' else (args.stage,)
   dtypes = ('float32', 'bfloat16') if args.dtype == 'both' else (args.dtype,)
   if args.variant:

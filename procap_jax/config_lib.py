@@ -6,6 +6,7 @@ The config files in `configs/` are the schema; `ml_collections` already rejects 
 """
 
 import ast
+import difflib
 import json
 import os
 from typing import Any
@@ -134,10 +135,12 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
   key, sep, text = item.partition('=')
   *parents, leaf = key.split('.')
   node = config
-  for part in parents + [leaf]:
+  for i, part in enumerate(parents + [leaf]):
     if not sep or not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      raise errors.UserError(f'override {item!r}: config has no key {key!r} (write key.sub=value)')
-    node = node[part] if part != leaf else node
+      near = difflib.get_close_matches(part, list(node) if hasattr(node, 'keys') else [], 1)
+      hint = f'did you mean {near[0]!r}?' if sep and near else 'write key.sub=value'
+      raise errors.UserError(f'override {item!r}: config has no key {key!r} ({hint})')
+    node = node[part] if i < len(parents) else node
   value = text
   for parse in () if isinstance(node[leaf], str) else (json.loads, ast.literal_eval):
     try:

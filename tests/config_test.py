@@ -149,7 +149,8 @@ def test_apply_override_parses_values_by_the_entrys_type():
 
 
 @pytest.mark.parametrize('item, match', [
-    ('caption.train.stepz=3', "no key 'caption.train.stepz'"),
+    ('caption.train.stepz=3', "no key 'caption.train.stepz' \\(did you mean 'steps'"),
+    ('caption.trian.steps=3', "did you mean 'train'"),
     ('caption.train.steps.x=1', "no key 'caption.train.steps.x'"),
     ('caption.train.steps', 'no key'),
     ('caption.train.steps=x', 'must be of type int'),
