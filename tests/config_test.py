@@ -156,10 +156,11 @@ def test_apply_override_parses_values_by_the_entrys_type():
     ('caption.train.steps=x', 'must be of type int'),
     ('caption.train.steps=2.5', 'must be of type int'),
 ])
-def test_apply_override_rejects_unknown_keys_and_wrong_types(item, match):
+def test_apply_override_rejects_unknown_keys_and_wrong_types(item, match, fault):
   config = synthetic.get_config('tiny')
-  with pytest.raises(errors.UserError, match=match):
+  with pytest.raises(errors.UserError, match=match) as e:
     config_lib.apply_override(config, item)
+  fault('config overrides (ablations, benches)', f'override {item}', f'error: {e.value}')
   assert config.caption.train.steps == synthetic.get_config('tiny').caption.train.steps
 
 
@@ -169,11 +170,13 @@ def test_apply_override_rejects_unknown_keys_and_wrong_types(item, match):
     ['bench.train_step', '--config', 'configs/synthetic.py:tiny', '--stage', 'caption',
      '--set', 'caption.train.no_such_key=3'],
 ])
-def test_commands_with_overrides_reject_an_unknown_key_in_one_sentence(tmp_path, command):
+def test_commands_with_overrides_reject_an_unknown_key_in_one_sentence(tmp_path, command,
+                                                                        fault):
   proc = subprocess.run([sys.executable, '-m'] + [a.format(tmp=tmp_path) for a in command],
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2
   assert 'no_such_key' in proc.stderr and 'Traceback' not in proc.stderr
+  fault(command[0], 'an unknown key in a config override', proc.stderr.strip())
   assert not (tmp_path / 'static_s0').exists() and not (tmp_path / 't.md').exists()
 
 
