@@ -184,7 +184,7 @@ def main(argv=None) -> None:
   for v in variants:
     if v not in VARIANTS:
       raise errors.UserError(f'unknown variant {v!r}; choose from {", ".join(VARIANTS)}')
-  all_results, missing = {}, []
+  all_results, missing = {}, {}
   start = time.time()
   if args.jobs > 1 and not args.report_only:
     _run_jobs(args, argv or [], seeds, variants)
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     for seed in seeds:
       if args.report_only and not os.path.exists(
           os.path.join(args.root, f'{v}_s{seed}', 'results.json')):
-        missing.append(f'{v} seed {seed}')
+        missing.setdefault(v, []).append(str(seed))
         continue
       print(f'=== {v} seed {seed}', flush=True)
       all_results.setdefault(v, []).append(run_variant(
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
   minutes = (time.time() - start) / 60
   if args.report_only:
     how = (f'Runs made by `{command}`; this table read back the finished ones '
-           f'(`--report_only`)' + (f'; not finished yet: {", ".join(missing)}' if missing
+           f'(`--report_only`)' + (f'; not finished yet: {_seed_lists(missing)}' if missing
                                    else ''))
   else:
     how = (f'Measured with `{command}` (this call took {minutes:.0f} min; runs already finished '
@@ -221,6 +221,11 @@ def main(argv=None) -> None:
           'a different dataset and scale.\n\n' + picture + ablation_table.report(all_results))
   errors.write_text_atomic(args.out, merge_into(args.out, text))
   print(text)
+
+
+def _seed_lists(seeds_of: dict[str, list[str]]) -> str:
+  """{'k4': ['0', '2']} -> 'k4 (seeds 0, 2)'."""
+  return ', '.join(f'{v} (seed{"s" * (len(s) > 1)} {", ".join(s)})' for v, s in seeds_of.items())
 
 
 def tasks(variants: list[str], seeds: list[int]) -> list[tuple[str, int]]:

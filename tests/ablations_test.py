@@ -320,7 +320,7 @@ def test_report_only_reads_finished_runs_and_names_the_missing(tmp_path):
   ablations.main(['--root', str(root), '--seeds', '0,1', '--variants', 'static,k2',
                   '--report_only', '--out', str(out)])
   text = out.read_text()
-  assert 'not finished yet: static seed 1' in text and '--report_only' not in text.split(';')[0]
+  assert 'not finished yet: static (seed 1).' in text and '--report_only' not in text.split(';')[0]
   k2_row = next(r for r in text.splitlines() if r.startswith('| full, k = 2'))
   assert '| 2 |' in k2_row and '60.0 ± 14.1' in k2_row and '| 2, 2 |' in k2_row
   assert any(r.startswith('| reference: one sentence | - | ') and '| 44.0 |' in r
