@@ -3,9 +3,9 @@
 Input: the {variant: [results of each seed's run]} of `procap_jax.ablation_table`. Each panel
 shows, for every variant that was run, its mean over seeds (bar), the sample std (n - 1, error
 bar) and each seed's own score (dots), with the full model's acceptance line (dashed) and goal
-(dotted), and the reference captioners that need no model (thin grey lines, named under the
-panel), so a reader sees at a glance which variants clear which line and how far the seeds
-scatter.
+(dotted), and the reference captioners that need no model (thin grey lines); each panel's lines
+are named under it. A reader sees at a glance which variants clear which line and how far the
+seeds scatter.
 """
 
 import matplotlib
@@ -49,7 +49,7 @@ def plot(all_results: dict[str, list[dict]], path: str) -> bool:
   if not variants:
     return False
   refs = ablation_table.reference_rows(all_results)
-  fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 0.45 * len(variants) + 2),
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 0.45 * len(variants) + 2.2),
                            sharey=True, squeeze=False)
   ys = np.arange(len(variants))[::-1]
   for ax, ((metric, title, accept, goal), scores) in zip(axes[0], panels):
@@ -61,23 +61,21 @@ def plot(all_results: dict[str, list[dict]], path: str) -> bool:
       std = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
       ax.barh(y, float(np.mean(vals)), xerr=std, color=colour, alpha=0.35, capsize=3)
       ax.plot(vals, [y] * len(vals), 'o', color=colour, markersize=4)
-    if accept is not None:
-      ax.axvline(accept, color='tab:red', linestyle='--', linewidth=1.2,
-                 label=f'acceptance line {accept}')
-    ax.axvline(goal, color='tab:green', linestyle=':', linewidth=1.2, label=f'goal {goal}')
     named = []
+    if accept is not None:
+      ax.axvline(accept, color='tab:red', linestyle='--', linewidth=1.2)
+      named.append(f'red dashed: acceptance line {accept}')
+    ax.axvline(goal, color='tab:green', linestyle=':', linewidth=1.2)
+    named.append(f'green dotted: goal {goal}')
     for key, short in _REFERENCE_SHORT.items():
       if key in refs:
         value = 100 * float(refs[key]['metrics'].get(metric, np.nan))
         if not np.isnan(value):
           ax.axvline(value, color='0.55', linewidth=0.8)
-          named.append(f'{short} {value:.1f}')
+          named.append(f'grey: {short} {value:.1f}')
     ax.set_title(title, fontsize=10)
-    ax.set_xlim(left=0)
-    ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.16), ncol=2,
-              frameon=False)
-    if named:
-      ax.set_xlabel('grey: ' + '; '.join(named), fontsize=7)
+    ax.set_xlim(0, 105 if metric.startswith('semantic/') else None)
+    ax.set_xlabel('\n'.join(named), fontsize=7)
   axes[0][0].set_yticks(ys)
   axes[0][0].set_yticklabels([ablation_table.LABELS[v] for v in variants], fontsize=8)
   seeds = sorted({len(v) for _, s in panels for v in s.values()})
