@@ -82,7 +82,9 @@ def plot(all_results: dict[str, list[dict]], path: str) -> bool:
   fig.suptitle('Ablations on the synthetic benchmark, test split (bar: mean, error bar: std, '
                f'dots: seeds; {"/".join(map(str, seeds))} seeds per variant)', fontsize=10)
   fig.tight_layout()
-  with errors.atomic_path(path, '.png') as tmp:
-    fig.savefig(tmp, format='png', dpi=90, bbox_inches='tight')
-  plt.close(fig)
+  try:
+    with errors.atomic_path(path, '.png') as tmp:
+      fig.savefig(tmp, format='png', dpi=90, bbox_inches='tight')
+  finally:
+    plt.close(fig)
   return True
