@@ -56,6 +56,16 @@ SHARED_STAGE1 = {'no_queries': 'k2'}
 ONE_THREAD = '--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
 
 
+def run_dir(root: str, variant: str, seed: int) -> str:
+  """The workdir of one variant x seed run: `<root>/<variant>_s<seed>`."""
+  return os.path.join(root, f'{variant}_s{seed}')
+
+
+def _finished(root: str, variant: str, seed: int) -> bool:
+  """Whether the run has written its results.json (it is read back, never trained again)."""
+  return os.path.exists(os.path.join(run_dir(root, variant, seed), 'results.json'))
+
+
 def _copy_stage(src: str, dst: str) -> None:
   """Copies a finished stage folder (one with DONE) to `dst` unless `dst` exists."""
   if os.path.exists(os.path.join(src, 'DONE')) and not os.path.exists(dst):
@@ -85,10 +95,9 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   """
   config = variant_config(variant, preset, overrides, seed=seed,
                           data_dir=data_dir or os.path.join(root, 'data'))
-  workdir = os.path.join(root, f'{variant}_s{seed}')
-  results_path = os.path.join(workdir, 'results.json')
-  if os.path.exists(results_path):
-    with open(results_path, encoding='utf-8') as f:
+  workdir = run_dir(root, variant, seed)
+  if _finished(root, variant, seed):
+    with open(os.path.join(workdir, 'results.json'), encoding='utf-8') as f:
       return _with_distinct_captions(json.load(f), workdir)
   shared_tok = shared_tokenizer_dir(root, seed, tokenizer_from, tokenizer_per_seed)
   if tokenizer_from and not os.path.exists(os.path.join(tokenizer_from, 'DONE')):
@@ -98,7 +107,7 @@ def run_variant(variant: str, seed: int, root: str, preset: str, overrides: list
   if trains_tokenizer:
     _copy_stage(shared_tok, os.path.join(workdir, 'tokenizer'))
   if variant in SHARED_STAGE1 and 'pretrain' in config.stages:
-    _copy_stage(os.path.join(root, f'{SHARED_STAGE1[variant]}_s{seed}', 'pretrain'),
+    _copy_stage(os.path.join(run_dir(root, SHARED_STAGE1[variant], seed), 'pretrain'),
                 os.path.join(workdir, 'pretrain'))
   results = main_lib.run(config, workdir)
   if trains_tokenizer:
@@ -188,16 +197,14 @@ def main(argv=None) -> None:
   start = time.time()
   if args.jobs > 1 and not args.report_only:
     _run_jobs(args, argv or [], seeds, variants)
-  for v in [v for v in RUN_ORDER if v in variants]:
-    for seed in seeds:
-      if args.report_only and not os.path.exists(
-          os.path.join(args.root, f'{v}_s{seed}', 'results.json')):
-        missing.setdefault(v, []).append(str(seed))
-        continue
-      print(f'=== {v} seed {seed}', flush=True)
-      all_results.setdefault(v, []).append(run_variant(
-          v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
-          tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
+  for v, seed in tasks(variants, seeds):
+    if args.report_only and not _finished(args.root, v, seed):
+      missing.setdefault(v, []).append(str(seed))
+      continue
+    print(f'=== {v} seed {seed}', flush=True)
+    all_results.setdefault(v, []).append(run_variant(
+        v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
+        tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
   command = ' '.join(['python -m procap_jax.ablations'] +
                      [a for a in (argv or []) if a != '--report_only'])
   minutes = (time.time() - start) / 60
@@ -233,7 +240,7 @@ def tasks(variants: list[str], seeds: list[int]) -> list[tuple[str, int]]:
   return [(v, seed) for v in RUN_ORDER if v in variants for seed in seeds]
 
 
-def _prerequisite(task: tuple[str, int], queued: set) -> tuple[str, int] | None:
+def _prerequisite(task: tuple[str, int], queued: list) -> tuple[str, int] | None:
   """The run whose stage 1 `task` copies (SHARED_STAGE1, same seed), if it is one of `queued`."""
   source = (SHARED_STAGE1.get(task[0]), task[1])
   return source if source in queued else None
@@ -260,8 +267,9 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
       f for f in (os.environ.get('XLA_FLAGS', ''), ONE_THREAD) if f))
   cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
   os.makedirs(args.root, exist_ok=True)
-  queued = set(tasks(variants, seeds))
-  todo, finished, failed, running = tasks(variants, seeds), set(), [], {}
+  queued = tasks(variants, seeds)
+  finished = {t for t in queued if _finished(args.root, *t)}  # read back, not started again
+  todo, failed, running = [t for t in queued if t not in finished], [], {}
   last = time.time()
   while todo or running:
     for slot, (task, log, proc) in list(running.items()):
@@ -272,16 +280,12 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
           failed.append(f'{task[0]} seed {task[1]} (log {log})')
         print(f'job {slot}: {task[0]} seed {task[1]} '
               f'{"failed" if proc.returncode else "finished"}', flush=True)
-    for task in [t for t in todo if os.path.exists(
-        os.path.join(args.root, f'{t[0]}_s{t[1]}', 'results.json'))]:
-      todo.remove(task)
-      finished.add(task)
     for slot in [i for i in range(args.jobs) if i not in running]:
       task = next((t for t in todo if _prerequisite(t, queued) in (None, *finished)), None)
       if task is None:
         break
       todo.remove(task)
-      log = os.path.join(args.root, f'{task[0]}_s{task[1]}.log')
+      log = run_dir(args.root, *task) + '.log'
       cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--variants', task[0],
              '--seeds', str(task[1]), '--out', os.path.join(args.root, f'job{slot}.md'),
              '--figure', os.path.join(args.root, f'job{slot}.png')]
