@@ -136,6 +136,14 @@ def test_statistics_on_hand_made_logits():
       frame_logits, codes, token_mask, fully, valid, rel_pos, rel_pos, vid_neg, vid_neg),
       _config())
   assert float(tied['match_rank_acc']) == 0.5 and float(tied['csy_rank_acc']) == 0.5
+  # So does a tie an ulp apart (how the same value can come out on another CPU's kernels), while
+  # a gap of 1e-3 still ranks.
+  ulp = np.nextafter(np.asarray(vid_neg, np.float32), np.float32(np.inf))
+  for pos, expected in ((ulp, 0.5), (np.asarray(vid_neg, np.float32) + 1e-3, 1.0)):
+    out = pretrain.losses_from_sums(pretrain.statistics_from_logits(
+        frame_logits, codes, token_mask, fully, valid, rel_pos, rel_pos, pos, vid_neg),
+        _config())
+    assert float(out['csy_rank_acc']) == expected
 
   # Padding rows contribute nothing; an all-masked batch divides by max(1, 0).
   none = pretrain.statistics_from_logits(frame_logits, codes, token_mask, jnp.ones(3, bool),
@@ -299,7 +307,8 @@ def test_batch_logits_are_what_the_statistics_sum(setup):
   assert set(np.asarray(out['corruption']).tolist()) <= set(range(len(corruptions.KINDS)))
   included = ~np.asarray(out['fully_masked'])
   p, n = np.asarray(out['vid_pos'])[included], np.asarray(out['vid_neg'])[included]
-  np.testing.assert_allclose(sums['csy_rank_correct'], np.sum((p > n) + 0.5 * (p == n)))
+  tie = np.isclose(p, n, rtol=pretrain.RANK_TIE_RTOL, atol=pretrain.RANK_TIE_ATOL)
+  np.testing.assert_allclose(sums['csy_rank_correct'], np.sum(np.where(tie, 0.5, p > n)))
   np.testing.assert_allclose(sums['csy_correct'], np.sum(p > 0) + np.sum(n < 0))
 
 

@@ -252,6 +252,20 @@ def binary_fully_masked(config: Any, fully_masked: jax.Array) -> jax.Array:
   return fully_masked
 
 
+# Two logits this close are a tie in `ranked`: a positive and a negative that are equal in exact
+# arithmetic (e.g. a corrupted frame the mask hides whole) come out equal or an ulp apart
+# depending on the CPU's kernels and the batch's shape (AMX and AVX-512 differ), and an exact
+# comparison would then count them right on one CPU and wrong on another.
+RANK_TIE_RTOL, RANK_TIE_ATOL = 1e-5, 1e-6
+
+
+def ranked(pos: jax.Array, neg: jax.Array) -> jax.Array:
+  """Per sample, 1 where the positive scores above its negative, 0 below, 0.5 for a tie (within
+  RANK_TIE_RTOL / RANK_TIE_ATOL): float32 [B]."""
+  tie = jnp.isclose(pos, neg, rtol=RANK_TIE_RTOL, atol=RANK_TIE_ATOL)
+  return jnp.where(tie, 0.5, (pos > neg).astype(jnp.float32))
+
+
 def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
                            fully_masked: jax.Array, valid: jax.Array, rel_pos: jax.Array,
                            rel_neg: jax.Array, vid_pos: jax.Array, vid_neg: jax.Array) -> dict:
@@ -282,7 +296,6 @@ def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask
   consistent_pair = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
   # Threshold-free, per sample: does the positive score above its own negative (ties half;
   # chance 0.5)? A head can rank right while every logit sits on one side of 0.
-  ranked = lambda p, n: (p > n).astype(jnp.float32) + 0.5 * (p == n).astype(jnp.float32)
   match_rank, consistent_rank = ranked(rel_pos, rel_neg), ranked(vid_pos, vid_neg)  # [B]
   return dict(
       msm_ce=jnp.sum(ce * token_mask), msm_correct=jnp.sum(correct * token_mask),
@@ -304,7 +317,7 @@ def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
   decision (`match_acc`, `csy_acc`: chance 0.5); and per pair, both decisions right
   (`match_pair_acc`: rel+ > 0 and rel- < 0, `csy_pair_acc` likewise; chance 0.25); and
   threshold-free, the positive above its own negative (`match_rank_acc`: rel+ > rel-,
-  `csy_rank_acc`: vid+ > vid-; ties count half; chance 0.5).
+  `csy_rank_acc`: vid+ > vid-; ties, to rounding, count half; chance 0.5).
   """
   norm = config.pretrain.csy_normalisation
   if norm not in ('code', 'mean'):
