@@ -45,6 +45,7 @@ from procap_jax.tasks import masking
 from procap_jax.tasks import pretrain_optimizer
 
 BINARY_INPUTS = ('masked', 'visible')  # what the match and consistency heads judge
+RANK_TIE_RTOL, RANK_TIE_ATOL = 1e-5, 1e-6  # ties of the rank accuracies, to rounding
 SUM_KEYS = ('msm_ce', 'msm_correct', 'msm_count', 'align_sum', 'included', 'match_correct',
             'match_pair_correct', 'match_rank_correct', 'csy_sum_all', 'csy_sum_included',
             'csy_correct', 'csy_pair_correct', 'csy_rank_correct')
@@ -252,20 +253,6 @@ def binary_fully_masked(config: Any, fully_masked: jax.Array) -> jax.Array:
   return fully_masked
 
 
-# Two logits this close are a tie in `ranked`: a positive and a negative that are equal in exact
-# arithmetic (e.g. a corrupted frame the mask hides whole) come out equal or an ulp apart
-# depending on the CPU's kernels and the batch's shape (AMX and AVX-512 differ), and an exact
-# comparison would then count them right on one CPU and wrong on another.
-RANK_TIE_RTOL, RANK_TIE_ATOL = 1e-5, 1e-6
-
-
-def ranked(pos: jax.Array, neg: jax.Array) -> jax.Array:
-  """Per sample, 1 where the positive scores above its negative, 0 below, 0.5 for a tie (within
-  RANK_TIE_RTOL / RANK_TIE_ATOL): float32 [B]."""
-  tie = jnp.isclose(pos, neg, rtol=RANK_TIE_RTOL, atol=RANK_TIE_ATOL)
-  return jnp.where(tie, 0.5, (pos > neg).astype(jnp.float32))
-
-
 def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask: jax.Array,
                            fully_masked: jax.Array, valid: jax.Array, rel_pos: jax.Array,
                            rel_neg: jax.Array, vid_pos: jax.Array, vid_neg: jax.Array) -> dict:
@@ -296,6 +283,10 @@ def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask
   consistent_pair = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
   # Threshold-free, per sample: does the positive score above its own negative (ties half;
   # chance 0.5)? A head can rank right while every logit sits on one side of 0.
+  # Logits equal in exact arithmetic (a corruption the mask hides) come out equal or an ulp
+  # apart by the CPU's kernels and the batch's shape: within rounding they tie.
+  ranked = lambda p, n: jnp.where(jnp.isclose(p, n, rtol=RANK_TIE_RTOL, atol=RANK_TIE_ATOL),
+                                  0.5, (p > n).astype(jnp.float32))
   match_rank, consistent_rank = ranked(rel_pos, rel_neg), ranked(vid_pos, vid_neg)  # [B]
   return dict(
       msm_ce=jnp.sum(ce * token_mask), msm_correct=jnp.sum(correct * token_mask),
