@@ -35,6 +35,7 @@ import sys
 import time
 
 from configs import synthetic
+from procap_jax import ablation_clock
 from procap_jax import ablation_plot
 from procap_jax import ablation_table
 from procap_jax import config_lib
@@ -182,6 +183,8 @@ def main(argv=None) -> None:
                       help='train nothing: write the table from the runs already finished and '
                       'name the missing ones')
   parser.add_argument('--core', type=int, default=-1, help=argparse.SUPPRESS)  # set by --jobs
+  # set by --jobs: a job process, whose run the parent's clock counts
+  parser.add_argument('--job', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--out', default='docs/results.md')
   parser.add_argument('--figure', default='',
                       help='the table as a picture (PNG; default ablations.png beside --out)')
@@ -195,26 +198,34 @@ def main(argv=None) -> None:
       raise errors.UserError(f'unknown variant {v!r}; choose from {", ".join(VARIANTS)}')
   all_results, missing = {}, {}
   start = time.time()
-  if args.jobs > 1 and not args.report_only:
-    _run_jobs(args, argv or [], seeds, variants)
+  todo = [t for t in tasks(variants, seeds) if not _finished(args.root, *t)]
+  clock = (ablation_clock.Clock(args.root) if todo and not (args.report_only or args.job)
+           else None)
+  if args.jobs > 1 and clock:
+    _run_jobs(args, argv or [], seeds, variants, clock=clock)
   for v, seed in tasks(variants, seeds):
     if args.report_only and not _finished(args.root, v, seed):
       missing.setdefault(v, []).append(str(seed))
       continue
     print(f'=== {v} seed {seed}', flush=True)
+    trains = clock is not None and not _finished(args.root, v, seed)
     all_results.setdefault(v, []).append(run_variant(
         v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
         tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
+    if trains:
+      clock.tick([os.path.basename(run_dir(args.root, v, seed))])
   command = ' '.join(['python -m procap_jax.ablations'] +
                      [a for a in (argv or []) if a != '--report_only'])
   minutes = (time.time() - start) / 60
+  timing = ablation_clock.describe(ablation_clock.read(args.root),
+                                   None if args.report_only else minutes)
   if args.report_only:
     how = (f'Runs made by `{command}`; this table read back the finished ones '
            f'(`--report_only`)' + (f'; not finished yet: {_seed_lists(missing)}' if missing
-                                   else ''))
+                                   else '') + (f'. Time: {timing}' if timing else ''))
   else:
-    how = (f'Measured with `{command}` (this call took {minutes:.0f} min; runs already finished '
-           'are read back, not retrained)')
+    how = (f'Measured with `{command}` ({timing}; runs already finished are read back, not '
+           'retrained)')
   figure = args.figure or os.path.join(os.path.dirname(args.out), 'ablations.png')
   picture = ''
   if ablation_plot.plot(all_results, figure):
@@ -247,7 +258,8 @@ def _prerequisite(task: tuple[str, int], queued: list) -> tuple[str, int] | None
 
 
 def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
-              spawn=subprocess.Popen, poll_seconds: float = 1.0) -> None:
+              spawn=subprocess.Popen, poll_seconds: float = 1.0,
+              clock: ablation_clock.Clock | None = None) -> None:
   """Trains every run in at most `args.jobs` child processes at a time, one run each (this
   module with --jobs 1, one variant and one seed), each on one thread and, where the OS allows,
   one core. A freed job takes the next run in `tasks` order whose stage-1 source has finished,
@@ -255,13 +267,17 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
   that has its results.json is read back, not started again. Each run's output goes to
   `<root>/<variant>_s<seed>.log`, and a line per minute here shows where each job is. The first
   run (`first_run`: it builds the dataset and trains the shared tokenizer when missing) runs
-  here first, so no two processes build the same thing. `spawn` and `poll_seconds`: for tests."""
+  here first, so no two processes build the same thing. `clock` counts the wall time (the
+  call's and each run's; `ablation_clock`). `spawn` and `poll_seconds`: for tests."""
+  name = lambda task: os.path.basename(run_dir(args.root, *task))  # noqa: E731
+  tick = clock.tick if clock else lambda running: None
   first = first_run(variants, args.preset, args.override)
   tokenizer = 'tokenizer' in variant_config(first, args.preset, args.override).stages
   if not _shared_inputs_ready(args, seeds[0], tokenizer):
     print(f'=== {first} seed {seeds[0]} (before the jobs: builds what they share)', flush=True)
     run_variant(first, seeds[0], args.root, args.preset, args.override, data_dir=args.data_dir,
                 tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed)
+    tick([name((first, seeds[0]))])
   keep = child_argv(argv)
   env = dict(os.environ, XLA_FLAGS=' '.join(
       f for f in (os.environ.get('XLA_FLAGS', ''), ONE_THREAD) if f))
@@ -274,6 +290,7 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
   while todo or running:
     for slot, (task, log, proc) in list(running.items()):
       if proc.poll() is not None:
+        tick([name(t) for t, _, _ in running.values()])
         del running[slot]
         finished.add(task)
         if proc.returncode:
@@ -286,8 +303,8 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
         break
       todo.remove(task)
       log = run_dir(args.root, *task) + '.log'
-      cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--variants', task[0],
-             '--seeds', str(task[1]), '--out', os.path.join(args.root, f'job{slot}.md'),
+      cmd = [sys.executable, '-m', 'procap_jax.ablations', *keep, '--job', '--variants',
+             task[0], '--seeds', str(task[1]), '--out', os.path.join(args.root, f'job{slot}.md'),
              '--figure', os.path.join(args.root, f'job{slot}.png')]
       if len(cores) >= args.jobs:
         cmd += ['--core', str(cores[slot % len(cores)])]
@@ -299,6 +316,7 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
     time.sleep(poll_seconds)
     if time.time() - last >= 60:
       last = time.time()
+      tick([name(t) for t, _, _ in running.values()])
       for slot, (task, log, _) in sorted(running.items()):
         print(f'job {slot}: {task[0]} seed {task[1]}: {_last_line(log)}', flush=True)
   if failed:
@@ -319,8 +337,9 @@ def _shared_inputs_ready(args, seed: int, tokenizer: bool = True) -> bool:
 
 def child_argv(argv: list[str]) -> list[str]:
   """`argv` without the options the parent sets per job (--jobs, --variants, --seeds, --out,
-  --figure, --core), in either the '--flag value' or the '--flag=value' form."""
+  --figure, --core, --job), in either the '--flag value' or the '--flag=value' form."""
   keep, skip = [], ('--jobs', '--variants', '--seeds', '--out', '--figure', '--core')
+  argv = [a for a in argv if a != '--job']
   it = iter(argv)
   for a in it:
     if a in skip:

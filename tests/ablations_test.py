@@ -9,6 +9,7 @@ import re
 import PIL.Image
 import pytest
 
+from procap_jax import ablation_clock
 from procap_jax import ablation_plot
 from procap_jax import ablation_table
 from procap_jax import ablations
@@ -374,3 +375,53 @@ def test_runs_go_variant_by_variant_with_the_full_model_first(tmp_path, monkeypa
                   '--out', str(tmp_path / 'r.md')])
   assert calls == [('k2', 0), ('k2', 1), ('no_queries', 0), ('no_queries', 1), ('static', 0),
                    ('static', 1)]
+
+
+def test_the_clock_sums_the_calls_and_each_runs_time_over_resumed_calls(tmp_path):
+  now = [100.0]
+  first = ablation_clock.Clock(str(tmp_path), now=lambda: now[0])
+  now[0] += 60
+  first.tick(['k2_s0', 'k2_s1'])
+  now[0] += 30  # killed here: these 30 s were never ticked
+  second = ablation_clock.Clock(str(tmp_path), now=lambda: now[0])  # the resumed call
+  now[0] += 120
+  second.tick(['k2_s0'])
+  data = ablation_clock.read(str(tmp_path))
+  assert data == {'calls': 2, 'seconds': 180.0, 'runs': {'k2_s0': 180.0, 'k2_s1': 60.0}}
+  text = ablation_clock.describe(data, this_call_minutes=2.0)
+  assert text.startswith('2 calls of it trained for 0.1 h of wall time in all')
+  assert 'this call took 2 min' in text and 'k2 2' in text  # (180 + 60) / 2 s = 2 min
+
+
+def test_a_corrupt_clock_is_one_error_sentence(tmp_path):
+  (tmp_path / ablation_clock.FILE).write_text('{"calls": 1}')
+  with pytest.raises(errors.UserError, match='not a wall-clock ledger'):
+    ablation_clock.Clock(str(tmp_path))
+
+
+def test_the_jobs_loop_ticks_its_runs_and_its_children_keep_no_clock(tmp_path, monkeypatch):
+  monkeypatch.setattr(ablations, '_shared_inputs_ready', lambda *a, **k: True)
+  events, commands = [], []
+
+  def spawn(cmd, stdout, stderr, env):
+    commands.append(cmd)
+    return _FakeProc(cmd, stdout, events, polls=3 if 'k1' in cmd else 1)
+
+  args = argparse.Namespace(root=str(tmp_path), preset='ablation', override=[], data_dir='',
+                            tokenizer_from='', tokenizer_per_seed=False, jobs=2)
+  now = [0.0]
+
+  def later():
+    now[0] += 10.0
+    return now[0]
+
+  clock = ablation_clock.Clock(str(tmp_path), now=later)
+  ablations._run_jobs(args, [], [0], ['k1', 'k4'], spawn=spawn, poll_seconds=0, clock=clock)
+  assert all('--job' in cmd for cmd in commands)
+  runs = ablation_clock.read(str(tmp_path))['runs']
+  assert set(runs) == {'k1_s0', 'k4_s0'} and runs['k1_s0'] > runs['k4_s0'] > 0
+  # A job process (--job) trains its run but adds no call to the ledger: its parent counts it.
+  monkeypatch.setattr(ablations, 'run_variant', lambda *a, **k: _run(0.5, 0.5))
+  ablations.main(['--root', str(tmp_path), '--variants', 'k4', '--seeds', '0', '--job',
+                  '--out', str(tmp_path / 'job0.md')])
+  assert ablation_clock.read(str(tmp_path))['calls'] == 1

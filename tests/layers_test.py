@@ -15,7 +15,8 @@ the layers below; the first prefix that matches a module, longest first, gives i
   builders       tfds_builders/ (the TFDS builders; they read data/ and procedure/)
   scores         semantic_scores (the synthetic benchmark's grammar read back; evaluation),
                  ablation_table (the ablation table and goal lines from finished runs' results),
-                 ablation_plot (the same as a picture)
+                 ablation_plot (the same as a picture), ablation_clock (the table's wall time
+                 over the calls that made it)
   blocks         convert/ (weights of the original in), train (the one training loop), train_log
   tasks          tasks/ (what differs per stage)
   configs        configs/ (one get_config per dataset x stage)
@@ -47,7 +48,7 @@ LAYERS = (
     ('data', ('procap_jax.data',)),
     ('builders', ('tfds_builders.',)),
     ('scores', ('procap_jax.semantic_scores', 'procap_jax.ablation_table',
-                'procap_jax.ablation_plot')),
+                'procap_jax.ablation_plot', 'procap_jax.ablation_clock')),
     ('blocks', ('procap_jax.convert', 'procap_jax.train', 'procap_jax.train_log')),
     ('tasks', ('procap_jax.tasks',)),
     ('configs', ('configs.',)),
