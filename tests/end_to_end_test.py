@@ -338,6 +338,10 @@ def test_ablation_runner_with_two_jobs_fills_the_table(finished_run, tiny_data_d
     with open(root / f'{variant}_s0' / 'caption' / 'DONE', encoding='utf-8') as f:
       assert json.load(f)['steps'] == 2  # the override reached the child process
   assert (root / 'static_s0.log').exists() and (root / 'no_stage1_s0.log').exists()
+  with open(root / 'wall_clock.json', encoding='utf-8') as f:
+    clock = json.load(f)  # one call, counted by the parent alone; both runs' time in it
+  assert clock['calls'] == 1 and set(clock['runs']) == {'static_s0', 'no_stage1_s0'}
+  assert 0 < clock['runs']['static_s0'] <= clock['seconds']
   text = out.read_text()
   for label in ('static baseline', 'queries without stage 1'):
     assert any(line.startswith(f'| {label}') and '| 1 |' in line for line in text.splitlines())
