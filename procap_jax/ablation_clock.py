@@ -61,9 +61,9 @@ class Clock:
     errors.write_text_atomic(os.path.join(self.root, FILE), json.dumps(self.data, indent=1))
 
 
-def describe(data: dict, this_call_minutes: float | None) -> str:
+def describe(data: dict, this_call_minutes: float | None, finished: set[str]) -> str:
   """The table's time, for its 'Measured with' sentence: the calls' wall time in all, this
-  call's, and each variant's minutes per run (mean over its seeds)."""
+  call's, and each variant's minutes per run (mean over its `finished` runs' seeds)."""
   parts = []
   if data['calls']:
     parts.append(f'{data["calls"]} call{"s" * (data["calls"] > 1)} of it trained for '
@@ -72,6 +72,8 @@ def describe(data: dict, this_call_minutes: float | None) -> str:
     parts.append(f'this call took {this_call_minutes:.0f} min')
   by_variant: dict[str, list[float]] = {}
   for name, seconds in data['runs'].items():
+    if name not in finished:
+      continue
     by_variant.setdefault(name.rsplit('_s', 1)[0], []).append(seconds / 60)
   if by_variant:
     parts.append('minutes per run (mean over seeds; a run\'s wall time in its job): ' + ', '.join(

@@ -217,8 +217,10 @@ def main(argv=None) -> None:
   command = ' '.join(['python -m procap_jax.ablations'] +
                      [a for a in (argv or []) if a != '--report_only'])
   minutes = (time.time() - start) / 60
-  timing = ablation_clock.describe(ablation_clock.read(args.root),
-                                   None if args.report_only else minutes)
+  timing = ablation_clock.describe(
+      ablation_clock.read(args.root), None if args.report_only else minutes,
+      {os.path.basename(run_dir(args.root, *t)) for t in tasks(variants, seeds)
+       if _finished(args.root, *t)})
   if args.report_only:
     how = (f'Runs made by `{command}`; this table read back the finished ones '
            f'(`--report_only`)' + (f'; not finished yet: {_seed_lists(missing)}' if missing

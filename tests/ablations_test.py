@@ -388,9 +388,11 @@ def test_the_clock_sums_the_calls_and_each_runs_time_over_resumed_calls(tmp_path
   second.tick(['k2_s0'])
   data = ablation_clock.read(str(tmp_path))
   assert data == {'calls': 2, 'seconds': 180.0, 'runs': {'k2_s0': 180.0, 'k2_s1': 60.0}}
-  text = ablation_clock.describe(data, this_call_minutes=2.0)
+  text = ablation_clock.describe(data, this_call_minutes=2.0, finished={'k2_s0', 'k2_s1'})
   assert text.startswith('2 calls of it trained for 0.1 h of wall time in all')
   assert 'this call took 2 min' in text and 'k2 2' in text  # (180 + 60) / 2 s = 2 min
+  # A run not finished yet (k2_s1 here) is not in the minutes per run.
+  assert 'k2 3' in ablation_clock.describe(data, None, finished={'k2_s0'})
 
 
 def test_a_corrupt_clock_is_one_error_sentence(tmp_path):
