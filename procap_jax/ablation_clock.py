@@ -3,8 +3,9 @@
 The table takes longer than one sitting (docs/results.md), and a killed call resumes: the time
 one call measures is then not the table's. `Clock` keeps `<root>/wall_clock.json` instead:
 
-  {"calls": 2, "seconds": 25210.4, "runs": {"k2_s0": 2290.1, ...}}
+  {"calls": 2, "seconds": 25210.4, "runs": {"k2_s0": 2290.1, ...}, "command": "python -m ..."}
 
+command: the last training call's command line (what `--report_only` names as the runs' maker);
 calls: how many training calls of the command have run; seconds: their wall time summed; runs:
 each run's wall time in the jobs that trained it (summed over calls; a run whose job shares the
 machine takes longer than alone). The file is rewritten at every `tick` (the `--jobs` loop ticks
@@ -23,15 +24,17 @@ FILE = 'wall_clock.json'
 
 
 def read(root: str) -> dict:
-  """The ledger in `root` ({'calls': 0, 'seconds': 0.0, 'runs': {}} when there is none)."""
+  """The ledger in `root` ({'calls': 0, 'seconds': 0.0, 'runs': {}, 'command': ''} when there
+  is none)."""
   path = os.path.join(root, FILE)
   if not os.path.exists(path):
-    return {'calls': 0, 'seconds': 0.0, 'runs': {}}
+    return {'calls': 0, 'seconds': 0.0, 'runs': {}, 'command': ''}
   try:
     with open(path, encoding='utf-8') as f:
       data = json.load(f)
     return {'calls': int(data['calls']), 'seconds': float(data['seconds']),
-            'runs': {str(k): float(v) for k, v in data['runs'].items()}}
+            'runs': {str(k): float(v) for k, v in data['runs'].items()},
+            'command': str(data.get('command', ''))}
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise errors.UserError(f'{path} is not a wall-clock ledger of this command ({e}); '
                            'delete it to start counting again') from e
@@ -40,10 +43,11 @@ def read(root: str) -> dict:
 class Clock:
   """Counts one training call into `<root>/wall_clock.json` (see the module docstring)."""
 
-  def __init__(self, root: str, now=time.time):
+  def __init__(self, root: str, command: str = '', now=time.time):
     self.root, self.now = root, now
     self.data = read(root)
     self.data['calls'] += 1
+    self.data['command'] = command or self.data['command']
     self.last = now()
     self._write()
 

@@ -199,7 +199,9 @@ def main(argv=None) -> None:
   all_results, missing = {}, {}
   start = time.time()
   todo = [t for t in tasks(variants, seeds) if not _finished(args.root, *t)]
-  clock = (ablation_clock.Clock(args.root) if todo and not (args.report_only or args.job)
+  command = ' '.join(['python -m procap_jax.ablations'] +
+                     [a for a in (argv or []) if a != '--report_only'])
+  clock = (ablation_clock.Clock(args.root, command) if todo and not (args.report_only or args.job)
            else None)
   if args.jobs > 1 and clock:
     _run_jobs(args, argv or [], seeds, variants, clock=clock)
@@ -214,15 +216,14 @@ def main(argv=None) -> None:
         tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
     if trains:
       clock.tick([os.path.basename(run_dir(args.root, v, seed))])
-  command = ' '.join(['python -m procap_jax.ablations'] +
-                     [a for a in (argv or []) if a != '--report_only'])
   minutes = (time.time() - start) / 60
+  ledger = ablation_clock.read(args.root)
   timing = ablation_clock.describe(
-      ablation_clock.read(args.root), None if args.report_only else minutes,
+      ledger, None if args.report_only else minutes,
       {os.path.basename(run_dir(args.root, *t)) for t in tasks(variants, seeds)
        if _finished(args.root, *t)})
   if args.report_only:
-    how = (f'Runs made by `{command}`; this table read back the finished ones '
+    how = (f'Runs made by `{ledger["command"] or command}`; this table read back the finished ones '
            f'(`--report_only`)' + (f'; not finished yet: {_seed_lists(missing)}' if missing
                                    else '') + (f'. Time: {timing}' if timing else ''))
   else:

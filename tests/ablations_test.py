@@ -331,6 +331,16 @@ def test_report_only_reads_finished_runs_and_names_the_missing(tmp_path):
   assert '![The table as a picture' in text and '(ablations.png)' in text
   with PIL.Image.open(tmp_path / 'ablations.png') as im:
     assert im.format == 'PNG' and im.width > im.height
+  # With a ledger, the runs' maker is the training call's command line, with the time it took.
+  (root / ablation_clock.FILE).write_text(json.dumps(
+      {'calls': 2, 'seconds': 7200.0, 'runs': {'k2_s0': 3000.0, 'k2_s1': 3600.0},
+       'command': 'python -m procap_jax.ablations --root R --jobs 2'}))
+  ablations.main(['--root', str(root), '--seeds', '0,1', '--variants', 'static,k2',
+                  '--report_only', '--out', str(out)])
+  text = out.read_text()
+  assert 'Runs made by `python -m procap_jax.ablations --root R --jobs 2`;' in text
+  assert 'Time: 2 calls of it trained for 2.0 h of wall time in all; minutes per run' in text
+  assert 'k2 55' in text
 
 
 def test_semantic_columns_beside_cider():
@@ -379,7 +389,8 @@ def test_runs_go_variant_by_variant_with_the_full_model_first(tmp_path, monkeypa
 
 def test_the_clock_sums_the_calls_and_each_runs_time_over_resumed_calls(tmp_path):
   now = [100.0]
-  first = ablation_clock.Clock(str(tmp_path), now=lambda: now[0])
+  first = ablation_clock.Clock(str(tmp_path), 'python -m procap_jax.ablations --jobs 2',
+                                now=lambda: now[0])
   now[0] += 60
   first.tick(['k2_s0', 'k2_s1'])
   now[0] += 30  # killed here: these 30 s were never ticked
@@ -387,7 +398,8 @@ def test_the_clock_sums_the_calls_and_each_runs_time_over_resumed_calls(tmp_path
   now[0] += 120
   second.tick(['k2_s0'])
   data = ablation_clock.read(str(tmp_path))
-  assert data == {'calls': 2, 'seconds': 180.0, 'runs': {'k2_s0': 180.0, 'k2_s1': 60.0}}
+  assert data == {'calls': 2, 'seconds': 180.0, 'runs': {'k2_s0': 180.0, 'k2_s1': 60.0},
+                  'command': 'python -m procap_jax.ablations --jobs 2'}
   text = ablation_clock.describe(data, this_call_minutes=2.0, finished={'k2_s0', 'k2_s1'})
   assert text.startswith('2 calls of it trained for 0.1 h of wall time in all')
   assert 'this call took 2 min' in text and 'k2 2' in text  # (180 + 60) / 2 s = 2 min
