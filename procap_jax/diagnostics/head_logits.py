@@ -81,10 +81,9 @@ def best_threshold(pos: np.ndarray, neg: np.ndarray) -> float:
 
 
 def rank_acc(pos: np.ndarray, neg: np.ndarray) -> float:
-  """Share of samples whose positive scores above its own negative (ties, to within rounding as
-  in the logged metric (`pretrain.RANK_TIE_RTOL`, `RANK_TIE_ATOL`), count half)."""
-  tie = np.isclose(pos, neg, rtol=pretrain.RANK_TIE_RTOL, atol=pretrain.RANK_TIE_ATOL)
-  return float(np.mean(np.where(tie, 0.5, pos > neg)))
+  """Share of samples whose positive scores above its own negative, ties to within rounding
+  counting half: the logged metric's rule (`pretrain.rank_credit`)."""
+  return float(np.mean(pretrain.rank_credit(pos, neg)))
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:

@@ -281,23 +281,24 @@ def statistics_from_logits(frame_logits: jax.Array, codes: jax.Array, token_mask
   match_pair = ((rel_pos > 0) & (rel_neg < 0)).astype(jnp.float32)  # [B]
   consistent = (vid_pos > 0).astype(jnp.float32) + (vid_neg < 0).astype(jnp.float32)  # [B]
   consistent_pair = ((vid_pos > 0) & (vid_neg < 0)).astype(jnp.float32)  # [B]
-  # Threshold-free, per sample: does the positive score above its own negative (ties half;
-  # chance 0.5)? A head can rank right while every logit sits on one side of 0.
-  # Logits equal in exact arithmetic (a corruption the mask hides) come out equal or an ulp
-  # apart by the CPU's kernels and the batch's shape: within rounding they tie.
-  ranked = lambda p, n: jnp.where(jnp.isclose(p, n, rtol=RANK_TIE_RTOL, atol=RANK_TIE_ATOL),
-                                  0.5, (p > n).astype(jnp.float32))
-  match_rank, consistent_rank = ranked(rel_pos, rel_neg), ranked(vid_pos, vid_neg)  # [B]
+  # Rank sums are threshold-free (chance 0.5): a head can rank right, all logits one side of 0.
   return dict(
       msm_ce=jnp.sum(ce * token_mask), msm_correct=jnp.sum(correct * token_mask),
       msm_count=jnp.sum(token_mask), align_sum=jnp.sum(align * included),
       included=jnp.sum(included), match_correct=jnp.sum(match * included),
       match_pair_correct=jnp.sum(match_pair * included),
-      match_rank_correct=jnp.sum(match_rank * included),
+      match_rank_correct=jnp.sum(rank_credit(rel_pos, rel_neg) * included),
       csy_sum_all=jnp.sum(csy * validf), csy_sum_included=jnp.sum(csy * included),
       csy_correct=jnp.sum(consistent * included),
       csy_pair_correct=jnp.sum(consistent_pair * included),
-      csy_rank_correct=jnp.sum(consistent_rank * included))
+      csy_rank_correct=jnp.sum(rank_credit(vid_pos, vid_neg) * included))
+
+
+def rank_credit(pos: jax.Array, neg: jax.Array) -> jax.Array:
+  """Per sample: 1 if the positive scores above its own negative, 0 below, 0.5 for a tie within
+  rounding (RANK_TIE_*: equal logits can come out an ulp apart by the CPU's kernels)."""
+  return jnp.where(jnp.isclose(pos, neg, rtol=RANK_TIE_RTOL, atol=RANK_TIE_ATOL), 0.5,
+                   (pos > neg).astype(jnp.float32))
 
 
 def losses_from_sums(sums: dict, config: ml_collections.ConfigDict) -> dict:
