@@ -59,7 +59,12 @@ ONE_THREAD = '--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
 
 def run_dir(root: str, variant: str, seed: int) -> str:
   """The workdir of one variant x seed run: `<root>/<variant>_s<seed>`."""
-  return os.path.join(root, f'{variant}_s{seed}')
+  return os.path.join(root, run_name(variant, seed))
+
+
+def run_name(variant: str, seed: int) -> str:
+  """A run's name, `<variant>_s<seed>` (its folder in the root, its key in the wall clock)."""
+  return f'{variant}_s{seed}'
 
 
 def _finished(root: str, variant: str, seed: int) -> bool:
@@ -215,13 +220,12 @@ def main(argv=None) -> None:
         v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
         tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))
     if trains:
-      clock.tick([os.path.basename(run_dir(args.root, v, seed))])
+      clock.tick([run_name(v, seed)])
   minutes = (time.time() - start) / 60
   ledger = ablation_clock.read(args.root)
   timing = ablation_clock.describe(
       ledger, None if args.report_only else minutes,
-      {os.path.basename(run_dir(args.root, *t)) for t in tasks(variants, seeds)
-       if _finished(args.root, *t)})
+      {run_name(*t) for t in tasks(variants, seeds) if _finished(args.root, *t)})
   if args.report_only:
     how = (f'Runs made by `{ledger["command"] or command}`; this table read back the finished ones '
            f'(`--report_only`)' + (f'; not finished yet: {_seed_lists(missing)}' if missing
@@ -272,7 +276,6 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
   run (`first_run`: it builds the dataset and trains the shared tokenizer when missing) runs
   here first, so no two processes build the same thing. `clock` counts the wall time (the
   call's and each run's; `ablation_clock`). `spawn` and `poll_seconds`: for tests."""
-  name = lambda task: os.path.basename(run_dir(args.root, *task))  # noqa: E731
   tick = clock.tick if clock else lambda running: None
   first = first_run(variants, args.preset, args.override)
   tokenizer = 'tokenizer' in variant_config(first, args.preset, args.override).stages
@@ -280,7 +283,7 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
     print(f'=== {first} seed {seeds[0]} (before the jobs: builds what they share)', flush=True)
     run_variant(first, seeds[0], args.root, args.preset, args.override, data_dir=args.data_dir,
                 tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed)
-    tick([name((first, seeds[0]))])
+    tick([run_name(first, seeds[0])])
   keep = child_argv(argv)
   env = dict(os.environ, XLA_FLAGS=' '.join(
       f for f in (os.environ.get('XLA_FLAGS', ''), ONE_THREAD) if f))
@@ -293,7 +296,7 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
   while todo or running:
     for slot, (task, log, proc) in list(running.items()):
       if proc.poll() is not None:
-        tick([name(t) for t, _, _ in running.values()])
+        tick([run_name(*t) for t, _, _ in running.values()])
         del running[slot]
         finished.add(task)
         if proc.returncode:
@@ -319,7 +322,7 @@ def _run_jobs(args, argv: list[str], seeds: list[int], variants: list[str],
     time.sleep(poll_seconds)
     if time.time() - last >= 60:
       last = time.time()
-      tick([name(t) for t, _, _ in running.values()])
+      tick([run_name(*t) for t, _, _ in running.values()])
       for slot, (task, log, _) in sorted(running.items()):
         print(f'job {slot}: {task[0]} seed {task[1]}: {_last_line(log)}', flush=True)
   if failed:
