@@ -7,6 +7,8 @@ mean ± std over the seeds (the sample std, n - 1, as the docs' hand-made tables
 
 import numpy as np
 
+from procap_jax import semantic_scores
+
 # The table's rows, in this order (each a configs/synthetic.py variant).
 VARIANTS = ('static', 'no_queries', 'no_stage1', 'k1', 'k2', 'k4', 'oracle', 'faithful',
             'duda_patches')
@@ -39,10 +41,16 @@ _TABLE_COLUMNS = (('CIDEr change pairs', 'change/CIDEr'),
 # How many different sentences a reference captioner writes ('-' for the others).
 _REFERENCE_DISTINCT = {'no_change_constant': '1', 'change_constant': '1',
                        'decision_and_change_constant': '2'}
-# (title, metric of a change type, change types): the tables by change type.
+# (title, metric of a column, columns): the tables by change type, then by attribute of the
+# changed object (which attribute a captioner cannot see).
 TYPE_TABLES = (('CIDEr by change type (mean ± std over seeds)', '{}/CIDEr', CHANGE_TYPES),
                ('Change type right % by change type (over the change pairs of each type; mean ± '
-                'std over seeds)', 'semantic/{}/type', CHANGE_TYPES[1:]))
+                'std over seeds)', 'semantic/{}/type', CHANGE_TYPES[1:]),
+               ('Each attribute of the changed object right % (over the change pairs whose caption '
+                'names it; a blind guess is right for ' + ', '.join(
+                    f'{a} {100 / len(semantic_scores.WORDS[a]):.1f}'
+                    for a in semantic_scores.ATTRIBUTES) + ' %; mean ± std over seeds)',
+                'semantic/{}', semantic_scores.ATTRIBUTES))
 
 
 def _cell(values, scale: float = 100.0) -> str:

@@ -162,6 +162,22 @@ def test_change_type_right_by_change_type_table():
   assert cider_at < type_at < goals_at and text in report
 
 
+def test_attribute_table_names_the_blind_guess_of_each_attribute():
+  # One column per attribute of the changed object: a captioner that names shapes at the blind
+  # guess (33.3 % of 3 shapes) is told apart from one that sees them.
+  runs = {'k2': [_run(1.0, 1.0, size=0.8, color=0.6, material=0.7, shape=0.3),
+                 _run(1.0, 1.0, seed=1, size=0.9, color=0.6, material=0.9, shape=0.4)]}
+  title, metric, attributes = ablation_table.TYPE_TABLES[2]
+  assert 'size 50.0, color 12.5, material 50.0, shape 33.3 %' in title
+  text = ablation_table.by_type(runs, metric, attributes)
+  assert _columns(text, 'full, k = 2') == {
+      'variant': 'full, k = 2 (default)', 'size': '85.0 ± 7.1', 'color': '60.0 ± 0.0',
+      'material': '80.0 ± 14.1', 'shape': '35.0 ± 7.1'}
+  report = ablation_table.report(runs)
+  assert report.index('Change type right % by change type') < report.index(title) < \
+      report.index('Goals (full ProCap')
+
+
 def test_reference_rows_follow_the_variants_with_their_numbers():
   references = {
       'no_change_constant': {'captioner': '"the scene is the same as before" for every pair',
