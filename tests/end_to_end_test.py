@@ -315,6 +315,19 @@ def test_probe_inputs_read_the_stage1_encoder_and_the_decoder_memory(finished_ru
   assert not np.allclose(stage1['test'][0], stage1['test'][1])
 
 
+def test_memory_attention_reads_the_decoders_cross_attention(finished_run, capsys):
+  from procap_jax.diagnostics import memory_attention
+  config, workdir, _ = finished_run
+  memory_attention.main(['--workdir', workdir, '--split', 'test', '--batch', '4'])
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r['layer'] for r in lines] == list(range(config.caption.model.layers)) + ['mean']
+  frames = ['before'] + [f'query_{i + 1}' for i in range(config.data.num_keyframes)] + ['after']
+  for r in lines:
+    assert list(r['frames']) == frames and abs(sum(r['frames'].values()) - 1) < 1e-3
+    assert 0 < r['object_uniform'] < 1 and 0 <= r['object'] <= 1 and r['object_pairs'] > 0
+    assert 0 <= r['object'] + r['object_in_queries'] <= 1 + 1e-3
+
+
 def test_ablation_runner_with_two_jobs_fills_the_table(finished_run, tiny_data_dir, tmp_path,
                                                        capsys):
   """`python -m procap_jax.ablations --jobs 2` on the tiny preset: the first run in the parent,

@@ -5,6 +5,7 @@
   python -m procap_jax.diagnostics.probe_attributes --workdir W   what a pair shows of its change
   python -m procap_jax.diagnostics.head_logits --workdir W        stage-1 binary heads' raw logits
   python -m procap_jax.diagnostics.diagnose_caption --workdir W   why a captioner ignores images
+  python -m procap_jax.diagnostics.memory_attention --workdir W   where the decoder looks
   python -m procap_jax.diagnostics.match_ceiling                  caption matching's ceiling
   python -m procap_jax.diagnostics.reliability_table --out docs/reliability.md
 

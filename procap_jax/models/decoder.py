@@ -155,6 +155,8 @@ class Attention(nn.Module):
     if mask is not None:
       scores = jnp.where(mask, scores, _NEG)
     weights = jax.nn.softmax(scores / math.sqrt(width), axis=-1)  # [B, N_h, Lq, S]
+    # kept only when 'intermediates' is mutable (diagnostics/memory_attention.py reads them)
+    self.sow('intermediates', 'attention_weights', weights)
     weights = self.weights_dropout(weights, deterministic=deterministic)
     if v.dtype == jnp.float32:
       out = jnp.einsum('bhqk,bkhd->bqhd', weights, v)  # [B, Lq, N_h, D_h]
