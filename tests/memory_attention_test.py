@@ -5,6 +5,16 @@ import numpy as np
 from procap_jax.diagnostics import memory_attention as ma
 
 
+def test_cross_attention_takes_the_cross_layers_in_order_averaged_over_heads():
+  w = lambda v: (np.full([1, 2, 3, 4], v),)  # sown as a tuple: [B, N_h, L, M]
+  tree = {'decoder': {f'blocks_{i}': {'cross_attn': {'attention_weights': w(i)},
+                                      'self_attn': {'attention_weights': w(-1)}}
+                      for i in (0, 2, 10)}}
+  layers = ma.cross_attention(tree)
+  assert [float(x[0, 0, 0]) for x in layers] == [0.0, 2.0, 10.0]
+  assert layers[0].shape == (1, 3, 4)
+
+
 def test_box_cells_are_the_cells_the_box_overlaps():
   cells = ma.box_cells([0.30, 0.55, 0.45, 0.70], (4, 4))  # x in cells 1, y in cell 2
   assert np.argwhere(cells).tolist() == [[2, 1]]
@@ -24,11 +34,11 @@ def test_object_slots_put_each_box_in_its_frame():
 
 
 def test_summarise_shares_by_frame_and_on_the_object():
-  b, heads, length, frames, n = 2, 2, 3, 3, 4
-  weights = np.zeros([b, heads, length, frames * n])
+  b, length, frames, n = 2, 3, 3, 4
+  weights = np.zeros([b, length, frames * n])  # averaged over heads
   weights[..., 0] = 1.0  # every position looks at slot 0 of the before frame...
-  weights[1, :, 2] = 0.0
-  weights[1, :, 2, -1] = 1.0  # ...but pair 1's last position, at the after frame's last slot
+  weights[1, 2] = 0.0
+  weights[1, 2, -1] = 1.0  # ...but pair 1's last position, at the after frame's last slot
   positions = np.array([[True, True, True], [True, True, False]])  # pair 1's last is padding
   objects = np.zeros([b, 2, frames * n], bool)
   objects[0, 0, [0, 1]] = True

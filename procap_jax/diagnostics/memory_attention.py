@@ -3,13 +3,13 @@ r"""Where the stage-2 decoder looks: its cross-attention over the memory's frame
   python -m procap_jax.diagnostics.memory_attention --workdir W [--split val] [--which best]
   (W: a ProCap run with a caption stage, with or without procedure queries)
 
-Dimension legend: B batch, N_h heads, L caption length, T frame slots (before, the k procedure
+Dimension legend: B batch, L caption length, T frame slots (before, the k procedure
 queries, after), N = h * w tokens per frame, M = T * N memory slots.
 
 Each pair's first reference caption is fed teacher-forced; the decoder's cross-attention
-weights [B, N_h, L, M] are averaged over heads and the caption's positions ([BOS] and its words;
-padding skipped). Prints one JSON line (`records.emit`) per decoder layer and one for all
-layers together:
+weights (heads x L x M a pair) are averaged over heads and the caption's positions ([BOS] and
+its words; padding skipped). Prints one JSON line (`records.emit`) per decoder layer and one for
+all layers together:
   frames        the share of attention on each frame slot: before, query_1 .. query_k, after
                 (sums to 1)
   object        on the change pairs whose changed object has a box (`change_params`): the share
@@ -68,8 +68,14 @@ def object_slots(params: dict, grid: tuple[int, int], frames: int) -> np.ndarray
   return slots.reshape(2, -1)
 
 
+def _layer_order(path: tuple[str, ...]) -> tuple:
+  """Sorts 'blocks_10' after 'blocks_9'."""
+  return tuple(int(p.rsplit('_', 1)[1]) if p.rsplit('_', 1)[-1].isdigit() else p for p in path)
+
+
 def cross_attention(intermediates: dict) -> list[np.ndarray]:
-  """The sown cross-attention weights [B, N_h, L, M] of each decoder layer, in layer order."""
+  """The sown cross-attention weights of each decoder layer, in layer order, averaged over the
+  heads: [B, L, M] each."""
   found = []
 
   def walk(tree, path):
@@ -77,13 +83,13 @@ def cross_attention(intermediates: dict) -> list[np.ndarray]:
       if isinstance(tree[key], dict):
         walk(tree[key], path + (key,))
       elif key == 'attention_weights' and 'cross_attn' in path:
-        found.append((path, np.asarray(tree[key][0])))
+        found.append((path, np.asarray(tree[key][0]).mean(axis=1)))
 
   walk(intermediates, ())
   if not found:
     raise errors.UserError('the decoder sowed no cross-attention weights: this run is not a '
                            'ProCap captioner (DUDA has no decoder memory of frame slots)')
-  return [w for _, w in sorted(found, key=lambda item: item[0])]
+  return [w for _, w in sorted(found, key=lambda item: _layer_order(item[0]))]
 
 
 def summarise(weights: np.ndarray, positions: np.ndarray, objects: np.ndarray,
@@ -91,15 +97,14 @@ def summarise(weights: np.ndarray, positions: np.ndarray, objects: np.ndarray,
   """Shares of one layer's (or the layers' mean) weights.
 
   Args:
-    weights: [B, N_h, L, M] cross-attention weights.
+    weights: [B, L, M] cross-attention weights (averaged over heads).
     positions: bool [B, L], the caption positions that count.
     objects: bool [B, 2, M], the changed object's slots in before and after, and in the query
       frames (`object_slots`; a pair without any is skipped).
     frames: T.
   """
-  per_pos = weights.mean(axis=1)  # [B, L, M]
   count = positions.sum(axis=1, keepdims=True)  # [B, 1]
-  per_pair = (per_pos * positions[..., None]).sum(axis=1) / np.maximum(count, 1)  # [B, M]
+  per_pair = (weights * positions[..., None]).sum(axis=1) / np.maximum(count, 1)  # [B, M]
   by_frame = per_pair.reshape(per_pair.shape[0], frames, -1).sum(axis=2).mean(axis=0)  # [T]
   names = ['before'] + [f'query_{i + 1}' for i in range(frames - 2)] + ['after']
   out = {'frames': {n: round(float(v), 4) for n, v in zip(names, by_frame)}}
@@ -135,29 +140,28 @@ def main(argv: list[str]) -> None:
   src = pipeline.open_source(config, args.workdir, args.split)
 
   @jax.jit
-  def weights_of(before, after, tokens):
+  def weights_of(params, tok_params, before, after, tokens):
     fb, fa = encodings.pair_features(tokenizer, tok_params, {'before': before, 'after': after})
     _, state = model.apply({'params': params}, fb, fa, tokens, mutable=['intermediates'])
     return state['intermediates']
 
-  layers, positions, objects = None, [], []
+  batches, positions, objects = [], [], []
   frames = (model.num_queries + 2) if model.use_queries else 2
+  grid = tuple(config.pretrain.model.grid)
   for batch in pipeline.make_eval_iterator(config, args.split, args.workdir, args.batch,
                                            num_batches=args.batches):
     keep = np.asarray(batch['valid'], bool)
     tokens = np.asarray(batch['caption_in'])
-    per_layer = [w[keep] for w in cross_attention(
-        weights_of(batch['before'], batch['after'], tokens))]
-    layers = per_layer if layers is None else [
-        np.concatenate([a, b]) for a, b in zip(layers, per_layer)]
+    state = weights_of(params, tok_params, batch['before'], batch['after'], tokens)
+    batches.append([w[keep] for w in cross_attention(state)])  # each layer's [B, L, M]
     positions.append((tokens != token_ids.PAD)[keep])
-    grid = tuple(config.pretrain.model.grid)
     for i in np.asarray(batch['example_index'])[keep]:
       raw = src[int(i)].get('change_params', b'{}')
       change = json.loads(raw.decode() if isinstance(raw, bytes) else raw or '{}')
       objects.append(object_slots(change, grid, frames))
-  if layers is None:
+  if not batches:
     raise errors.UserError(f'the {args.split} split of {args.workdir} has no pairs')
+  layers = [np.concatenate(per_layer) for per_layer in zip(*batches)]
   positions, objects = np.concatenate(positions), np.stack(objects)
   common = {'measurement': 'memory_attention', 'workdir': args.workdir, 'split': args.split,
             'pairs': int(len(positions))}
