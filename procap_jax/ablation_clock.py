@@ -23,6 +23,16 @@ from procap_jax import errors
 FILE = 'wall_clock.json'
 
 
+def run_name(variant: str, seed: int) -> str:
+  """A run's name, `<variant>_s<seed>` (its folder in the root, its key in the ledger)."""
+  return f'{variant}_s{seed}'
+
+
+def variant_of(name: str) -> str:
+  """The variant of a `run_name`: 'no_queries_s2' -> 'no_queries'."""
+  return name.rsplit('_s', 1)[0]
+
+
 def read(root: str) -> dict:
   """The ledger in `root` ({'calls': 0, 'seconds': 0.0, 'runs': {}, 'command': ''} when there
   is none)."""
@@ -78,7 +88,7 @@ def describe(data: dict, this_call_minutes: float | None, finished: set[str]) ->
   for name, seconds in data['runs'].items():
     if name not in finished:
       continue
-    by_variant.setdefault(name.rsplit('_s', 1)[0], []).append(seconds / 60)
+    by_variant.setdefault(variant_of(name), []).append(seconds / 60)
   if by_variant:
     parts.append('minutes per run (mean over seeds; a run\'s wall time in its job): ' + ', '.join(
         f'{v} {sum(m) / len(m):.0f}' for v, m in sorted(by_variant.items())))

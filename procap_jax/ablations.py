@@ -62,9 +62,7 @@ def run_dir(root: str, variant: str, seed: int) -> str:
   return os.path.join(root, run_name(variant, seed))
 
 
-def run_name(variant: str, seed: int) -> str:
-  """A run's name, `<variant>_s<seed>` (its folder in the root, its key in the wall clock)."""
-  return f'{variant}_s{seed}'
+run_name = ablation_clock.run_name  # '<variant>_s<seed>', beside its inverse in the ledger's code
 
 
 def _finished(root: str, variant: str, seed: int) -> bool:
@@ -211,11 +209,12 @@ def main(argv=None) -> None:
   if args.jobs > 1 and clock:
     _run_jobs(args, argv or [], seeds, variants, clock=clock)
   for v, seed in tasks(variants, seeds):
-    if args.report_only and not _finished(args.root, v, seed):
+    done = _finished(args.root, v, seed)
+    if args.report_only and not done:
       missing.setdefault(v, []).append(str(seed))
       continue
     print(f'=== {v} seed {seed}', flush=True)
-    trains = clock is not None and not _finished(args.root, v, seed)
+    trains = clock is not None and not done
     all_results.setdefault(v, []).append(run_variant(
         v, seed, args.root, args.preset, args.override, data_dir=args.data_dir,
         tokenizer_from=args.tokenizer_from, tokenizer_per_seed=args.tokenizer_per_seed))

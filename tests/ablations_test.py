@@ -403,6 +403,14 @@ def test_runs_go_variant_by_variant_with_the_full_model_first(tmp_path, monkeypa
                    ('static', 1)]
 
 
+def test_the_clock_reads_each_variant_back_from_its_run_name():
+  # The ledger keys runs by name and groups them by variant: every variant, underscores and
+  # all ('no_stage1', 'duda_patches'), comes back whole, at any seed.
+  for variant in ablations.VARIANTS:
+    for seed in (0, 2, 13):
+      assert ablation_clock.variant_of(ablations.run_name(variant, seed)) == variant
+
+
 def test_the_clock_sums_the_calls_and_each_runs_time_over_resumed_calls(tmp_path):
   now = [100.0]
   first = ablation_clock.Clock(str(tmp_path), 'python -m procap_jax.ablations --jobs 2',

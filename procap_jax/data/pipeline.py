@@ -184,10 +184,11 @@ def _record_info(record: dict) -> dict:
   return {'pair_id': _text(record['pair_id']), 'scene_id': int(record['scene_id']),
           'change_type': int(record['change_type']),
           'captions': [_text(c) for c in record['captions']],
-          'change_params': _change_params(record)}
+          'change_params': change_params(record)}
 
 
-def _change_params(record: dict) -> dict:
+def change_params(record: dict) -> dict:
+  """A record's `change_params`, decoded from JSON ({} when it has none)."""
   raw = record.get('change_params', b'{}')
   try:
     params = json.loads(_text(raw) or '{}')

@@ -22,7 +22,6 @@ dataset are measured on the same pairs.
 """
 
 import argparse
-import json
 import sys
 
 import flax.linen as nn
@@ -156,9 +155,7 @@ def main(argv: list[str]) -> None:
     batches.append([w[keep] for w in cross_attention(state)])  # each layer's [B, L, M]
     positions.append((tokens != token_ids.PAD)[keep])
     for i in np.asarray(batch['example_index'])[keep]:
-      raw = src[int(i)].get('change_params', b'{}')
-      change = json.loads(raw.decode() if isinstance(raw, bytes) else raw or '{}')
-      objects.append(object_slots(change, grid, frames))
+      objects.append(object_slots(pipeline.change_params(src[int(i)]), grid, frames))
   if not batches:
     raise errors.UserError(f'the {args.split} split of {args.workdir} has no pairs')
   layers = [np.concatenate(per_layer) for per_layer in zip(*batches)]
