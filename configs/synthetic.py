@@ -55,6 +55,9 @@ def _caption(*, model: dict, train: dict) -> ml_collections.ConfigDict:
       text_slot='code',                # stage-2 text slots: 'code' rows 0..L-1 | 'padding' | 'none'
       stage2_mask='code',              # 'code': original off-by-one [ST1]/[VID] rows | 'aligned'
       use_queries=True,                # False: static baseline memory (before/after only)
+      # the decoder reads 'all' the encoder's frame slots (the original) | 'ends': only before
+      # and after (the queries still take part in the encoder; not the original's)
+      memory_frames='all',
       # W > 0: an auxiliary head naming the change type from the memory (not the original's;
       # trained with weight train.change_loss; captions still come from the decoder alone)
       change_head=0,

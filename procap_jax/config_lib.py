@@ -31,7 +31,7 @@ _CHOICES = {
     'caption.model.layernorm': ('unbiased_std', 'standard'),
     'caption.model.text_slot': ('code', 'padding', 'none'),
     'caption.model.stage2_mask': ('code', 'aligned'),
-    'caption.model.kind': ('procap', 'duda'),
+    'caption.model.kind': ('procap', 'duda'), 'caption.model.memory_frames': ('all', 'ends'),
     'caption.model.duda.input': ('pixels', 'features'),
     'caption.model.duda.attention_norm': ('softmax', 'sigmoid'),
     'caption.decoding.method': ('greedy', 'beam'),

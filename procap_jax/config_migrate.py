@@ -51,6 +51,7 @@ ADDED_LATER = {
     'caption.train.micro_batches': 1,
     'caption.train.scene_pairs': False,
     'caption.model.change_head': 0,
+    'caption.model.memory_frames': 'all',
     'caption.train.change_loss': 0.0,
     'caption.decoding.alpha': 0.0,
     'caption.decoding.encode_rows': 0,
@@ -104,6 +105,7 @@ def migrate(config) -> ml_collections.ConfigDict:
   | caption.train.scene_pairs            | False     | batches of independent pairs           |
   | caption.model.change_head            | 0         | no change head                         |
   | caption.train.change_loss            | 0.0       |   "                                    |
+  | caption.model.memory_frames          | 'all'     | the decoder read every frame slot      |
   | caption.decoding.alpha               | 0.0       | beam scores = sum of log-probs         |
   | caption.decoding.encode_rows         | 0         | the whole batch encoded at once        |
   | mesh.cpu_devices                     | 1         | a CPU host ran as one device           |

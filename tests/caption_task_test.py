@@ -374,6 +374,33 @@ def test_encode_memory_a_few_pairs_at_a_time_equals_the_whole_batch(rows):
   assert float(jnp.abs(whole[0] - whole[1]).max()) > 1e-3
 
 
+def test_memory_of_the_ends_is_the_before_and_after_slots_of_the_whole_memory():
+  # memory_frames='ends' (not the original's): the same parameters and encoder, and the decoder
+  # reads only the before and after slots; the queries still change them through the encoder.
+  batch, _, vocab = _toy_data(4)
+  config = _tiny_config(vocab.size)
+  model = caption.build_model(config)
+  params = nn.meta.unbox(_init(model, config, batch))
+  config.caption.model.memory_frames = 'ends'
+  ends_model = caption.build_model(config)
+  assert jax.tree.structure(nn.meta.unbox(_init(ends_model, config, batch))) == (
+      jax.tree.structure(params))
+  rng = np.random.default_rng(0)
+  before, after = (jnp.asarray(rng.normal(size=(3, 2, 2, 3)), jnp.float32) for _ in range(2))
+  whole = captioner_lib.encode_memory(model, params, before, after)  # [B, (k + 2) * 4, H]
+  ends = captioner_lib.encode_memory(ends_model, params, before, after)
+  n = 4  # the 2 x 2 grid's tokens per frame
+  assert whole.shape[1] == (config.data.num_keyframes + 2) * n and ends.shape[1] == 2 * n
+  np.testing.assert_allclose(ends, jnp.concatenate([whole[:, :n], whole[:, -n:]], 1),
+                             rtol=1e-5, atol=1e-5)
+  # the queries are still in the encoder: another query vector moves the before slots
+  mask = params['encoder']['image_mask']  # not a constant shift: LayerNorm would remove it
+  mask = mask + jnp.asarray(rng.normal(size=mask.shape), mask.dtype)
+  moved = dict(params, encoder=dict(params['encoder'], image_mask=mask))
+  shifted = captioner_lib.encode_memory(ends_model, moved, before, after)
+  assert float(jnp.abs(shifted[:, :n] - ends[:, :n]).max()) > 1e-4
+
+
 def test_invalid_rows_do_not_count():
   batch, _, vocab = _toy_data(4)
   config = _tiny_config(vocab.size)

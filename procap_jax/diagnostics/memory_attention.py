@@ -145,7 +145,7 @@ def main(argv: list[str]) -> None:
     return state['intermediates']
 
   batches, positions, objects = [], [], []
-  frames = (model.num_queries + 2) if model.use_queries else 2
+  frames = (model.num_queries + 2) if model.use_queries and model.memory_frames == 'all' else 2
   grid = tuple(config.pretrain.model.grid)
   for batch in pipeline.make_eval_iterator(config, args.split, args.workdir, args.batch,
                                            num_batches=args.batches):

@@ -10,6 +10,8 @@ The procedure queries are the encoder's learned [MASK] vector (`image_mask`), i.
 frames are passed as fully masked (`frame_mask` True); they differ only by their axial (t, h, w)
 position embeddings. The decoder memory is the encoder output at ALL T x N frame slots through
 `memory_mlp` = Dense(D, D) -> ReLU -> Dense(D, H) -> LayerNorm(H), without any padding mask.
+With `memory_frames='ends'` (not the original's) the decoder reads only the before and after
+slots of that output (M = 2N); the queries still take part in the encoder's attention.
 
 With `use_queries=False` (static baseline / "w/o queries" ablation) only the before and after
 slots exist (T = 2, M = 2N): the encoder is built with 2 frame rows, and a stage-1 checkpoint
@@ -75,6 +77,8 @@ class ProCapModel(nn.Module):
       the memory (`change_logits`; not the original's, docs/fidelity.md), trained with weight
       `caption.train.change_loss`; the captions still come from the decoder alone.
     num_change_types: the head's classes (`pipeline.CHANGE_TYPES`).
+    memory_frames: 'all' (the original: the memory is every frame slot's output) | 'ends'
+      (only the before and after slots': M = 2N).
     dtype: computation dtype of the memory MLP.
   """
   encoder: nn.Module
@@ -85,6 +89,7 @@ class ProCapModel(nn.Module):
   stage2_mask: str = 'code'
   change_head: int = 0
   num_change_types: int = NUM_CHANGE_TYPES
+  memory_frames: str = 'all'
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -120,10 +125,13 @@ class ProCapModel(nn.Module):
       before_feats, after_feats: tokenizer features [B, h, w, C].
 
     Returns:
-      memory [B, M, H], M = T * N.
+      memory [B, M, H], M = T * N (`memory_frames='ends'`: M = 2N).
     """
-    out = self._encoder_outputs(before_feats, after_feats)
-    return self.memory_mlp(out['frame_hidden'])
+    hidden = self._encoder_outputs(before_feats, after_feats)['frame_hidden']  # [B, T * N, D]
+    if self.memory_frames == 'ends':
+      n = before_feats.shape[1] * before_feats.shape[2]
+      hidden = jnp.concatenate([hidden[:, :n], hidden[:, -n:]], axis=1)
+    return self.memory_mlp(hidden)
 
   def decode_logits(self, memory: jax.Array, tokens: jax.Array,
                     train: bool = False) -> jax.Array:
@@ -192,7 +200,7 @@ def from_config(config: Any) -> ProCapModel:
   return ProCapModel(encoder=encoder, decoder=decoder, num_queries=k, use_queries=m.use_queries,
                      text_slot=m.text_slot, stage2_mask=m.stage2_mask,
                      change_head=int(m.change_head), num_change_types=NUM_CHANGE_TYPES,
-                     dtype=dtype)
+                     memory_frames=m.memory_frames, dtype=dtype)
 
 
 def generate(model: ProCapModel, params: Any, before_feats: jax.Array, after_feats: jax.Array, *,
