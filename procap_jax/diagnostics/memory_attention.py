@@ -145,14 +145,15 @@ def main(argv: list[str]) -> None:
     return state['intermediates']
 
   batches, positions, objects = [], [], []
-  frames = (model.num_queries + 2) if model.use_queries and model.memory_frames == 'all' else 2
   grid = tuple(config.pretrain.model.grid)
   for batch in pipeline.make_eval_iterator(config, args.split, args.workdir, args.batch,
                                            num_batches=args.batches):
     keep = np.asarray(batch['valid'], bool)
     tokens = np.asarray(batch['caption_in'])
     state = weights_of(params, tok_params, batch['before'], batch['after'], tokens)
-    batches.append([w[keep] for w in cross_attention(state)])  # each layer's [B, L, M]
+    weights = [w[keep] for w in cross_attention(state)]  # each layer's [B, L, M]
+    frames = weights[0].shape[-1] // (grid[0] * grid[1])  # T frame slots of N (`encode` decides)
+    batches.append(weights)
     positions.append((tokens != token_ids.PAD)[keep])
     for i in np.asarray(batch['example_index'])[keep]:
       objects.append(object_slots(pipeline.change_params(src[int(i)]), grid, frames))
